@@ -1,0 +1,1 @@
+"""Everything that touches a disk or a database. Imports protocol/, never runtime/."""

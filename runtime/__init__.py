@@ -1,0 +1,1 @@
+"""Keel's behaviour: the server, the runner, the agent loop and the CLI. Nothing imports it."""
