@@ -1,0 +1,105 @@
+"""The store contracts every backend keeps (SQLite, in-memory, and later PostgreSQL).
+
+``persistence.storetest.run_contract`` holds each backend to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import attrs
+
+from persistence.transcript import Message
+
+DEFAULT_APP_NAME = "keel"
+
+
+@attrs.frozen
+class Event:
+    """One stored event: its position in the session (0-based), author, time and content."""
+
+    seq: int
+    author: str
+    created_at_ms: int
+    content: str
+
+
+class SessionStore(Protocol):
+    """Sessions, their ordered append-only events, state, and pending steers."""
+
+    async def append(self, session_id: str, contents: Sequence[str], *, at: int, author: str = "agent") -> None:
+        """Append events whose positions start at ``at``; returns once they are durable.
+
+        Each content must be JSON text and is stored byte for byte. Raises InvalidEvent (nothing
+        written) for bad content, TranscriptConflict when ``at`` is not the session's length.
+        """
+
+    async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
+        """The session's events with seq > after, in order; an unknown session has none."""
+
+    async def length(self, session_id: str) -> int: ...
+
+    async def save(self, session_id: str, messages: Sequence[Message]) -> None:
+        """Store a transcript that extends the stored one, writing only the new messages."""
+
+    async def messages(self, session_id: str) -> list[Message]: ...
+
+    async def add_steer(self, session_id: str, text: str) -> None: ...
+
+    async def take_steers(self, session_id: str) -> list[str]:
+        """Hand out every waiting steer exactly once, oldest first, and forget them."""
+
+    def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
+        """Exclusive turn on one session; different sessions never wait on each other."""
+
+    async def get_state(self, session_id: str) -> dict[str, object]: ...
+
+    async def set_state(self, session_id: str, state: dict[str, object]) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@attrs.frozen
+class TaskRecord:
+    """One A2A task as stored: indexed columns beside the task's JSON."""
+
+    id: str
+    context_id: str
+    owner: str
+    state: str
+    version: int
+    created_at_ms: int
+    updated_at_ms: int
+    task_json: str
+
+
+@attrs.frozen
+class TaskPage:
+    records: tuple[TaskRecord, ...]
+    next_page_token: str  # "" on the last page
+    total_size: int
+
+
+class TaskStore(Protocol):
+    async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord: ...
+
+    async def get(self, owner: str, task_id: str) -> TaskRecord: ...
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None
+    ) -> TaskRecord: ...
+
+    async def list(
+        self,
+        owner: str,
+        *,
+        context_id: str | None = None,
+        state: str | None = None,
+        updated_after_ms: int | None = None,
+        page_size: int = 50,
+        page_token: str = "",
+    ) -> TaskPage: ...
+
+    async def aclose(self) -> None: ...

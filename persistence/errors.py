@@ -1,0 +1,69 @@
+"""The persistence layer's errors. Each names the thing it is about.
+
+StoreError
+├── StoreClosed          the store was closed; nothing was written
+├── InvalidEvent         content that cannot be stored (not JSON, too large); nothing was written
+├── TranscriptConflict   a save that does not extend the stored transcript
+├── TaskExists           create() with an id that is already taken
+├── TaskNotFound         no such task for this owner
+├── VersionConflict      update() with a stale version
+├── InvalidPage          a page size or page token that cannot be used
+└── SchemaError          a database file whose schema this build cannot use
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class for every error the stores raise."""
+
+
+class StoreClosed(StoreError):
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} is closed; open a new store to read or write it")
+
+
+class InvalidEvent(StoreError):
+    def __init__(self, session_id: str, index: int, reason: str) -> None:
+        self.session_id = session_id
+        self.index = index
+        super().__init__(f"message {index} of session {session_id!r} cannot be stored: {reason}; nothing of this call was written")
+
+
+class TranscriptConflict(StoreError):
+    def __init__(self, session_id: str, reason: str) -> None:
+        self.session_id = session_id
+        super().__init__(f"session {session_id!r}: {reason}")
+
+
+class TaskExists(StoreError):
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        super().__init__(f"task {task_id!r} already exists")
+
+
+class TaskNotFound(StoreError):
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        super().__init__(f"task {task_id!r} not found")
+
+
+class VersionConflict(StoreError):
+    def __init__(self, task_id: str, expected: int, actual: int) -> None:
+        self.task_id = task_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"task {task_id!r} was changed by someone else: expected version {expected}, found {actual}; "
+            "read it again and retry"
+        )
+
+
+class InvalidPage(StoreError):
+    pass
+
+
+class SchemaError(StoreError):
+    def __init__(self, path: object, reason: str, fix: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {reason}. {fix}")

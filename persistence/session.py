@@ -1,0 +1,40 @@
+"""An addressed session: every call carries the id it was opened with."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from persistence.api import SessionStore
+from persistence.transcript import Message
+
+
+@attrs.frozen
+class Session:
+    """A conversation in a SessionStore. Open it with ``Session.open(id, store)``."""
+
+    id: str
+    store: SessionStore
+
+    @classmethod
+    def open(cls, session_id: str, store: SessionStore | None) -> Session:
+        if not session_id:
+            raise ValueError("a session needs an id; an empty one would collect every conversation in a single bucket")
+        if store is None:
+            raise ValueError("a session needs a store; persistence.memory.MemorySessionStore lives as long as the process")
+        return cls(id=session_id, store=store)
+
+    async def save(self, messages: Sequence[Message]) -> None:
+        """Persist a transcript that extends the stored one; only the new messages are written."""
+        await self.store.save(self.id, messages)
+
+    async def messages(self) -> list[Message]:
+        return await self.store.messages(self.id)
+
+    async def steer(self, text: str) -> None:
+        """Leave a steer for whichever run of this session makes the next model request."""
+        await self.store.add_steer(self.id, text)
+
+    async def take_steers(self) -> list[str]:
+        return await self.store.take_steers(self.id)
