@@ -29,17 +29,23 @@ class Event:
 class SessionStore(Protocol):
     """Sessions, their ordered append-only events, state, and pending steers."""
 
-    async def append(self, session_id: str, contents: Sequence[str], *, at: int, author: str = "agent") -> None:
-        """Append events whose positions start at ``at``; returns once they are durable.
+    async def append(
+        self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
+    ) -> int:
+        """Append events at the end of the session; returns the first one's seq once all are durable.
 
         Each content must be JSON text and is stored byte for byte. Raises InvalidEvent (nothing
-        written) for bad content, TranscriptConflict when ``at`` is not the session's length.
+        written) for bad content; with ``at``, TranscriptConflict unless the session holds
+        exactly ``at`` events (an optimistic check for a single writer).
         """
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         """The session's events with seq > after, in order; an unknown session has none."""
 
     async def length(self, session_id: str) -> int: ...
+
+    async def create_session(self, session_id: str, *, app_name: str = DEFAULT_APP_NAME, user_id: str = "") -> None:
+        """Create the session if it does not exist (concurrent first uses create one)."""
 
     async def save(self, session_id: str, messages: Sequence[Message]) -> None:
         """Store a transcript that extends the stored one, writing only the new messages."""
@@ -53,6 +59,9 @@ class SessionStore(Protocol):
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         """Exclusive turn on one session; different sessions never wait on each other."""
+
+    def turn_locks_held(self) -> int:
+        """How many sessions have a turn held or waited for; idle sessions cost nothing."""
 
     async def get_state(self, session_id: str) -> dict[str, object]: ...
 

@@ -1,0 +1,230 @@
+"""In-memory stores with the same behaviour as the SQLite ones, for one process's lifetime.
+
+Contents are kept as the stored text (JSON), never as the caller's objects, so nothing the
+caller holds is aliased by the store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import attrs
+import trio
+
+from persistence.api import DEFAULT_APP_NAME, Event, TaskPage, TaskRecord
+from persistence.errors import StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
+from persistence.locks import TurnLocks
+from persistence.sessions import now_ms
+from persistence.tasks import UNFINISHED_STATES, check_page_size, decode_page_token, encode_page_token
+from persistence.transcript import Message
+from persistence.validate import MAX_EVENT_BYTES, check_contents, check_session_id, check_steer, decode_messages, plan_save
+
+
+@attrs.define(eq=False)
+class _Closable:
+    _closed: bool = attrs.field(init=False, default=False)
+
+    async def _enter(self) -> None:
+        """Every call is a checkpoint, and none works on a closed store."""
+        await trio.lowlevel.checkpoint()
+        if self._closed:
+            raise StoreClosed(f"the in-memory {type(self).__name__}")
+
+    async def run(self, *, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        """Nothing to run: writes are immediate. Kept so callers treat every backend alike."""
+        task_status.started(self)
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+
+@attrs.define(eq=False)
+class MemorySessionData:
+    """What a MemorySessionStore holds; two stores over one of these behave like two processes."""
+
+    events: dict[str, list[Event]] = attrs.field(factory=dict)
+    states: dict[tuple[str, str, str], str] = attrs.field(factory=dict)
+    steers: dict[str, list[str]] = attrs.field(factory=dict)
+    locks: TurnLocks = attrs.field(factory=TurnLocks)
+
+
+@attrs.define(eq=False)
+class MemorySessionStore(_Closable):
+    data: MemorySessionData = attrs.field(factory=MemorySessionData)
+    max_event_bytes: int = attrs.field(default=MAX_EVENT_BYTES, kw_only=True)
+
+    @property
+    def _events(self) -> dict[str, list[Event]]:
+        return self.data.events
+
+    @property
+    def _states(self) -> dict[tuple[str, str, str], str]:
+        return self.data.states
+
+    @property
+    def _steers(self) -> dict[str, list[str]]:
+        return self.data.steers
+
+    def turn_locks_held(self) -> int:
+        return len(self.data.locks)
+
+    async def create_session(self, session_id: str, *, app_name: str = DEFAULT_APP_NAME, user_id: str = "") -> None:
+        check_session_id(session_id)
+        await self._enter()
+        self._events.setdefault(session_id, [])
+
+    def _extend(self, session_id: str, contents: Sequence[str], author: str) -> int:
+        events = self._events.setdefault(session_id, [])
+        start, now = len(events), now_ms()
+        events.extend(Event(seq=start + i, author=author, created_at_ms=now, content=c) for i, c in enumerate(contents))
+        return start
+
+    async def append(
+        self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
+    ) -> int:
+        check_session_id(session_id)
+        contents = list(contents)
+        check_contents(session_id, contents, first_index=0, max_bytes=self.max_event_bytes)
+        await self._enter()
+        length = len(self._events.get(session_id, ()))
+        if at is not None and at != length:
+            raise TranscriptConflict(session_id, f"an append at position {at} does not follow the {length} stored events")
+        return self._extend(session_id, contents, author)
+
+    async def save(self, session_id: str, messages: Sequence[Message]) -> None:
+        check_session_id(session_id)
+        await self._enter()
+        events = self._events.get(session_id, [])
+        last = events[-1].content if events else None
+        contents = plan_save(session_id, messages, stored=len(events), last_stored=last, max_bytes=self.max_event_bytes)
+        self._extend(session_id, contents, "agent")
+
+    async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
+        await self._enter()
+        return list(self._events.get(session_id, ())[after + 1 :])
+
+    async def length(self, session_id: str) -> int:
+        await self._enter()
+        return len(self._events.get(session_id, ()))
+
+    async def messages(self, session_id: str) -> list[Message]:
+        return decode_messages(session_id, [event.content for event in await self.events(session_id)])
+
+    async def add_steer(self, session_id: str, text: str) -> None:
+        check_session_id(session_id)
+        check_steer(session_id, text)
+        await self._enter()
+        self._steers.setdefault(session_id, []).append(text)
+
+    async def take_steers(self, session_id: str) -> list[str]:
+        await self._enter()
+        return self._steers.pop(session_id, [])
+
+    def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
+        return self.data.locks.hold(session_id)
+
+    async def _get(self, key: tuple[str, str, str]) -> dict[str, object]:
+        await self._enter()
+        return dict(json.loads(self._states.get(key, "{}")))
+
+    async def _set(self, key: tuple[str, str, str], state: dict[str, object]) -> None:
+        text = json.dumps(state, sort_keys=True)
+        await self._enter()
+        self._states[key] = text
+
+    async def get_state(self, session_id: str) -> dict[str, object]:
+        return await self._get(("", "", session_id))
+
+    async def set_state(self, session_id: str, state: dict[str, object]) -> None:
+        check_session_id(session_id)
+        await self._set(("", "", session_id), state)
+        self._events.setdefault(session_id, [])
+
+    async def get_app_state(self, app_name: str) -> dict[str, object]:
+        return await self._get((app_name, "", ""))
+
+    async def set_app_state(self, app_name: str, state: dict[str, object]) -> None:
+        await self._set((app_name, "", ""), state)
+
+    async def get_user_state(self, app_name: str, user_id: str) -> dict[str, object]:
+        return await self._get((app_name, user_id, ""))
+
+    async def set_user_state(self, app_name: str, user_id: str, state: dict[str, object]) -> None:
+        await self._set((app_name, user_id, ""), state)
+
+
+@attrs.define(eq=False)
+class MemoryTaskStore(_Closable):
+    """Tasks in a dict; pass another store's ``tasks`` to share them, as two processes would."""
+
+    tasks: dict[str, TaskRecord] = attrs.field(factory=dict)
+
+    @property
+    def _tasks(self) -> dict[str, TaskRecord]:
+        return self.tasks
+
+    async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord:
+        await self._enter()
+        if task_id in self._tasks:
+            raise TaskExists(task_id)
+        now = now_ms()
+        record = TaskRecord(
+            id=task_id, context_id=context_id, owner=owner, state=state, version=1,
+            created_at_ms=now, updated_at_ms=now, task_json=task_json,
+        )  # fmt: skip
+        self._tasks[task_id] = record
+        return record
+
+    async def get(self, owner: str, task_id: str) -> TaskRecord:
+        await self._enter()
+        record = self._tasks.get(task_id)
+        if record is None or record.owner != owner:
+            raise TaskNotFound(task_id)
+        return record
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None
+    ) -> TaskRecord:
+        current = await self.get(owner, task_id)
+        if expected_version is not None and expected_version != current.version:
+            raise VersionConflict(task_id, expected_version, current.version)
+        new = attrs.evolve(current, state=state, task_json=task_json, version=current.version + 1, updated_at_ms=now_ms())
+        self._tasks[task_id] = new
+        return new
+
+    async def list(
+        self,
+        owner: str,
+        *,
+        context_id: str | None = None,
+        state: str | None = None,
+        updated_after_ms: int | None = None,
+        page_size: int = 50,
+        page_token: str = "",
+    ) -> TaskPage:
+        check_page_size(page_size)
+        after = decode_page_token(page_token) if page_token else None
+        await self._enter()
+        matching = sorted(
+            (
+                r
+                for r in self._tasks.values()
+                if r.owner == owner
+                and (context_id is None or r.context_id == context_id)
+                and (state is None or r.state == state)
+                and (updated_after_ms is None or r.updated_at_ms > updated_after_ms)
+            ),
+            key=lambda r: (r.updated_at_ms, r.id),
+            reverse=True,
+        )
+        rest = [r for r in matching if after is None or (r.updated_at_ms, r.id) < after]
+        records = tuple(rest[:page_size])
+        token = encode_page_token(records[-1]) if len(rest) > page_size else ""
+        return TaskPage(records=records, next_page_token=token, total_size=len(matching))
+
+    async def unfinished(self) -> list[TaskRecord]:
+        await self._enter()
+        return sorted((r for r in self._tasks.values() if r.state in UNFINISHED_STATES), key=lambda r: (r.created_at_ms, r.id))

@@ -1,0 +1,324 @@
+"""The SQLite session store (``runtime.db``): sessions, their events, state and steers."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from persistence.api import DEFAULT_APP_NAME, Event
+from persistence.locks import TurnLocks
+from persistence.sqlite import Schema, SqlitePool, execute_ddl
+from persistence.writer import WriterBacked, running
+from persistence.transcript import Message
+from persistence.validate import (
+    MAX_EVENT_BYTES,
+    check_contents,
+    check_session_id,
+    check_steer,
+    decode_messages,
+    plan_save,
+)
+from persistence.errors import TranscriptConflict
+
+
+def _v1(conn: sqlite3.Connection) -> None:
+    execute_ddl(
+        conn,
+        """
+        CREATE TABLE sessions (
+            session_id TEXT PRIMARY KEY,
+            app_name TEXT NOT NULL,
+            user_id TEXT NOT NULL,
+            state TEXT NOT NULL DEFAULT '{}',
+            length INTEGER NOT NULL DEFAULT 0,      -- how many events; the next seq
+            created_at_ms INTEGER NOT NULL,
+            updated_at_ms INTEGER NOT NULL
+        );
+        CREATE TABLE events (
+            session_id TEXT NOT NULL REFERENCES sessions (session_id),
+            seq INTEGER NOT NULL,
+            author TEXT NOT NULL,
+            created_at_ms INTEGER NOT NULL,
+            content TEXT NOT NULL,                  -- stored byte for byte as given
+            PRIMARY KEY (session_id, seq)
+        );
+        CREATE TABLE app_states (
+            app_name TEXT PRIMARY KEY, state TEXT NOT NULL, updated_at_ms INTEGER NOT NULL
+        );
+        CREATE TABLE user_states (
+            app_name TEXT NOT NULL, user_id TEXT NOT NULL, state TEXT NOT NULL, updated_at_ms INTEGER NOT NULL,
+            PRIMARY KEY (app_name, user_id)
+        );
+        CREATE TABLE steers (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,   -- AUTOINCREMENT: ids never reused, so order is arrival
+            session_id TEXT NOT NULL,
+            text TEXT NOT NULL,
+            created_at_ms INTEGER NOT NULL
+        );
+        CREATE INDEX steers_by_session ON steers (session_id, id);
+        """
+    )
+
+
+SESSIONS_SCHEMA = Schema(
+    name="keel.sessions",
+    migrations=(_v1,),
+    tables=("sessions", "events", "app_states", "user_states", "steers"),
+)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _ensure_txn(conn: sqlite3.Connection, session_id: str, app_name: str, user_id: str, now: int) -> int:
+    """Create the session if it is new (concurrent first uses create one row); return its length."""
+    conn.execute(
+        "INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES (?, ?, ?, ?, ?)"
+        " ON CONFLICT (session_id) DO NOTHING",
+        (session_id, app_name, user_id, now, now),
+    )
+    (length,) = conn.execute("SELECT length FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+    return int(length)
+
+
+@attrs.define(eq=False)
+class SessionLengths:
+    """Session lengths as the writer's connection knows them, so that an append is one INSERT.
+
+    Batch hooks of the group-commit writer; touched only in the pool's thread. The cache is
+    trusted only while no other connection has committed (``PRAGMA data_version`` changes when
+    one has), and new lengths reach the sessions table once per batch, before COMMIT.
+    """
+
+    data_version: int | None = None
+    known: dict[str, int] = attrs.field(factory=dict)
+    dirty: dict[str, int] = attrs.field(factory=dict)  # grown in this batch: written by finish()
+    rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
+    careful: bool = False  # a savepoint per write: insert at once, inside it
+    now: int = 0
+
+    def begin(self, conn: sqlite3.Connection, *, careful: bool) -> None:
+        (version,) = conn.execute("PRAGMA data_version").fetchone()
+        if version != self.data_version:
+            self.known.clear()
+            self.data_version = version
+        self.dirty.clear()
+        self.rows.clear()
+        self.careful = careful
+        self.now = now_ms()
+
+    def flush(self, conn: sqlite3.Connection) -> None:
+        """Insert the events queued so far; before anything reads the events table."""
+        if self.rows:
+            conn.executemany(_INSERT_EVENT, self.rows)
+            self.rows.clear()
+
+    def finish(self, conn: sqlite3.Connection) -> None:
+        self.flush(conn)
+        if self.dirty:
+            conn.executemany(
+                "UPDATE sessions SET length = ?, updated_at_ms = ? WHERE session_id = ?",
+                [(length, self.now, session_id) for session_id, length in self.dirty.items()],
+            )
+
+    def abort(self) -> None:
+        self.data_version = None
+        self.known.clear()
+        self.dirty.clear()
+        self.rows.clear()
+
+    def item_failed(self) -> None:
+        # The failed write may have created a session row that its savepoint undid.
+        self.known.clear()
+
+    def length(self, conn: sqlite3.Connection, session_id: str) -> int:
+        length = self.dirty.get(session_id)
+        if length is None:
+            length = self.known.get(session_id)
+        if length is None:
+            length = self.known[session_id] = _ensure_txn(conn, session_id, DEFAULT_APP_NAME, "", self.now)
+        return length
+
+    def insert(self, conn: sqlite3.Connection, session_id: str, at: int, author: str, contents: Sequence[str]) -> None:
+        """Write events at positions at, at+1, ...: queued for one INSERT of the whole batch, or
+        at once in careful mode. The session's length follows at finish()."""
+        self.rows.extend((session_id, at + i, author, self.now, content) for i, content in enumerate(contents))
+        if self.careful:
+            self.flush(conn)
+        self.known[session_id] = self.dirty[session_id] = at + len(contents)
+
+
+_INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
+
+
+def _append_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, contents: Sequence[str], at: int | None, author: str
+) -> int:
+    start = lengths.length(conn, session_id)
+    if at is not None and start != at:
+        raise TranscriptConflict(session_id, f"an append at position {at} does not follow the {start} stored events")
+    lengths.insert(conn, session_id, start, author, contents)
+    return start
+
+
+def _save_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, messages: Sequence[Message], max_bytes: int
+) -> None:
+    stored = lengths.length(conn, session_id)
+    last = None
+    if stored:
+        lengths.flush(conn)
+        (last,) = conn.execute(
+            "SELECT content FROM events WHERE session_id = ? AND seq = ?", (session_id, stored - 1)
+        ).fetchone()
+    contents = plan_save(session_id, messages, stored=stored, last_stored=last, max_bytes=max_bytes)
+    if contents:
+        lengths.insert(conn, session_id, stored, "agent", contents)
+
+
+def _take_steers_txn(conn: sqlite3.Connection, session_id: str) -> list[str]:
+    rows = conn.execute("SELECT id, text FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
+    if rows:
+        conn.execute("DELETE FROM steers WHERE session_id = ? AND id <= ?", (session_id, rows[-1][0]))
+    return [text for _, text in rows]
+
+
+@attrs.define(eq=False)
+class SqliteSessionStore(WriterBacked):
+    """Sessions in one SQLite file. Writes go through a group-commit writer.
+
+    Open with ``await SqliteSessionStore.open(path)``, then start its writer with
+    ``await nursery.start(store.run)``; or use ``open_session_store(path)``.
+    """
+
+    max_event_bytes: int = attrs.field(default=MAX_EVENT_BYTES, kw_only=True)
+    _locks: TurnLocks = attrs.field(init=False, factory=TurnLocks)
+    _lengths: SessionLengths = attrs.field(init=False, factory=SessionLengths)
+
+    def _batch_hooks(self) -> SessionLengths:
+        return self._lengths
+
+    @classmethod
+    async def open(cls, path: Path, *, synchronous: str = "FULL", max_event_bytes: int = MAX_EVENT_BYTES) -> SqliteSessionStore:
+        pool = await SqlitePool.open(path, SESSIONS_SCHEMA, synchronous=synchronous)
+        return cls(pool=pool, max_event_bytes=max_event_bytes)
+
+    async def create_session(self, session_id: str, *, app_name: str = DEFAULT_APP_NAME, user_id: str = "") -> None:
+        """Create the session if it does not exist; creating an existing one changes nothing."""
+        check_session_id(session_id)
+        await self._writer.submit(_ensure_txn, session_id, app_name, user_id, now_ms())
+
+    async def append(
+        self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
+    ) -> int:
+        check_session_id(session_id)
+        contents = list(contents)
+        check_contents(session_id, contents, first_index=0, max_bytes=self.max_event_bytes)
+        return await self._writer.submit(_append_txn, self._lengths, session_id, contents, at, author)
+
+    async def save(self, session_id: str, messages: Sequence[Message]) -> None:
+        check_session_id(session_id)
+        # No copy of the transcript: only its tail is read, inside this call (so a save costs the
+        # same at ten messages as at ten thousand).
+        await self._writer.submit(_save_txn, self._lengths, session_id, messages, self.max_event_bytes)
+
+    async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
+        rows = await self.pool.run(
+            lambda conn: conn.execute(
+                "SELECT seq, author, created_at_ms, content FROM events WHERE session_id = ? AND seq > ? ORDER BY seq",
+                (session_id, after),
+            ).fetchall()
+        )
+        return [Event(seq=seq, author=author, created_at_ms=at, content=content) for seq, author, at, content in rows]
+
+    async def length(self, session_id: str) -> int:
+        row = await self.pool.run(
+            lambda conn: conn.execute("SELECT length FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        )
+        return 0 if row is None else int(row[0])
+
+    async def messages(self, session_id: str) -> list[Message]:
+        return decode_messages(session_id, [event.content for event in await self.events(session_id)])
+
+    async def add_steer(self, session_id: str, text: str) -> None:
+        check_session_id(session_id)
+        check_steer(session_id, text)
+        await self._writer.submit(
+            lambda conn: conn.execute(
+                "INSERT INTO steers (session_id, text, created_at_ms) VALUES (?, ?, ?)", (session_id, text, now_ms())
+            )
+        )
+
+    async def take_steers(self, session_id: str) -> list[str]:
+        return await self._writer.submit(_take_steers_txn, session_id)
+
+    def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
+        return self._locks.hold(session_id)
+
+    def turn_locks_held(self) -> int:
+        """How many sessions have a turn held or waited for in this process."""
+        return len(self._locks)
+
+    async def get_state(self, session_id: str) -> dict[str, object]:
+        row = await self.pool.run(
+            lambda conn: conn.execute("SELECT state FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        )
+        return {} if row is None else dict(json.loads(row[0]))
+
+    async def set_state(self, session_id: str, state: dict[str, object]) -> None:
+        check_session_id(session_id)
+        text = json.dumps(state, sort_keys=True)  # raises TypeError before anything is written
+
+        def txn(conn: sqlite3.Connection) -> None:
+            now = now_ms()
+            _ensure_txn(conn, session_id, DEFAULT_APP_NAME, "", now)
+            conn.execute("UPDATE sessions SET state = ?, updated_at_ms = ? WHERE session_id = ?", (text, now, session_id))
+
+        await self._writer.submit(txn)
+
+    async def get_app_state(self, app_name: str) -> dict[str, object]:
+        return await self._read_json("SELECT state FROM app_states WHERE app_name = ?", (app_name,))
+
+    async def set_app_state(self, app_name: str, state: dict[str, object]) -> None:
+        await self._write_json(
+            "INSERT INTO app_states (app_name, state, updated_at_ms) VALUES (?, ?, ?)"
+            " ON CONFLICT (app_name) DO UPDATE SET state = excluded.state, updated_at_ms = excluded.updated_at_ms",
+            (app_name,),
+            state,
+        )
+
+    async def get_user_state(self, app_name: str, user_id: str) -> dict[str, object]:
+        return await self._read_json("SELECT state FROM user_states WHERE app_name = ? AND user_id = ?", (app_name, user_id))
+
+    async def set_user_state(self, app_name: str, user_id: str, state: dict[str, object]) -> None:
+        await self._write_json(
+            "INSERT INTO user_states (app_name, user_id, state, updated_at_ms) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (app_name, user_id) DO UPDATE SET state = excluded.state, updated_at_ms = excluded.updated_at_ms",
+            (app_name, user_id),
+            state,
+        )
+
+    async def _read_json(self, sql: str, key: tuple[str, ...]) -> dict[str, object]:
+        row = await self.pool.run(lambda conn: conn.execute(sql, key).fetchone())
+        return {} if row is None else dict(json.loads(row[0]))
+
+    async def _write_json(self, sql: str, key: tuple[str, ...], state: dict[str, object]) -> None:
+        text = json.dumps(state, sort_keys=True)
+        await self._writer.submit(lambda conn: conn.execute(sql, (*key, text, now_ms())))
+
+
+
+@asynccontextmanager
+async def open_session_store(path: Path, **options: Any) -> AsyncIterator[SqliteSessionStore]:
+    """A session store whose writer runs in a nursery owned by this context."""
+    async with running(await SqliteSessionStore.open(path, **options)) as store:
+        yield store

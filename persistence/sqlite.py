@@ -1,0 +1,213 @@
+"""One-connection SQLite pools and the group-commit writer.
+
+Every call on a pool's connection runs in a worker thread through ``trio.to_thread.run_sync``
+under a ``CapacityLimiter(1)``, and a whole transaction always runs inside one such call: the
+Trio thread never blocks on disk, and BEGIN/COMMIT are never split across awaits. Worker-thread
+calls are uncancellable, so a transaction that has started always finishes (or rolls back)
+before its caller sees a cancellation.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from persistence.errors import SchemaError, StoreClosed
+from persistence.schema import KNOWN_SCHEMAS, SchemaIdentity, read_identity, write_identity_txn
+
+T = TypeVar("T")
+
+BUSY_TIMEOUT_MS = 5000  # another process holding the write lock makes us queue, not fail
+SYNCHRONOUS = ("FULL", "NORMAL", "OFF")
+
+
+def connect(path: Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
+    """A connection with Keel's settings. Blocking: call it from a worker thread."""
+    if synchronous not in SYNCHRONOUS:
+        raise ValueError(f"synchronous must be one of {', '.join(SYNCHRONOUS)}, not {synchronous!r}")
+    if readonly:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+    else:
+        # isolation_level=None: no implicit transactions; every write says BEGIN IMMEDIATE itself.
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA foreign_keys = ON")
+        if readonly:
+            conn.execute("PRAGMA query_only = ON")
+        else:
+            # WAL: readers never block the writer; FULL fsyncs the WAL at every commit, so a
+            # returned commit survives power loss (NORMAL only survives a process crash).
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(f"PRAGMA synchronous = {synchronous}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def transaction(conn: sqlite3.Connection, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(conn, *args)`` inside BEGIN IMMEDIATE ... COMMIT, rolling back on any error."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = fn(conn, *args)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+def execute_ddl(conn: sqlite3.Connection, script: str) -> None:
+    """Run a script of statements inside the current transaction.
+
+    ``Connection.executescript`` would COMMIT first, breaking the one-transaction migration.
+    """
+    statement = ""
+    for line in script.splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            conn.execute(statement)
+            statement = ""
+    if statement.strip():
+        raise ValueError(f"incomplete SQL statement at the end of a migration: {statement.strip()[:80]!r}")
+
+
+Migration = Callable[[sqlite3.Connection], None]
+
+
+@attrs.frozen
+class Schema:
+    """A database's DDL as numbered migrations: ``migrations[i]`` takes version i to i + 1."""
+
+    name: str
+    migrations: tuple[Migration, ...]
+    tables: tuple[str, ...]  # the tables a current database must have
+
+    @property
+    def version(self) -> int:
+        return len(self.migrations)
+
+    def check_identity(self, path: Path, found: SchemaIdentity | None, user_tables: Sequence[str]) -> int:
+        """The version to migrate from (0 for an empty file), or SchemaError with the fix."""
+        assert KNOWN_SCHEMAS[self.name] == self.version, "KNOWN_SCHEMAS is out of step with the migrations"
+        if found is None:
+            if user_tables:
+                raise SchemaError(
+                    path,
+                    f"holds tables ({', '.join(sorted(user_tables)[:5])}) but no Keel schema identity, so it is not a {self.name} database",
+                    "Move the file aside, or point the state directory at the right place",
+                )
+            return 0
+        if found.name != self.name:
+            raise SchemaError(path, f"is a {found.name} database, not {self.name}", "Point the state directory at the right place")
+        if found.version > self.version:
+            raise SchemaError(
+                path,
+                f"has schema {found} but this build supports {self.name}@{self.version}",
+                "Upgrade Keel, or restore a snapshot taken by this version",
+            )
+        if found.version < 1:
+            raise SchemaError(path, f"records an impossible schema version {found.version}", "Restore a good snapshot")
+        return found.version
+
+    def check_tables(self, path: Path, conn: sqlite3.Connection) -> None:
+        present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        missing = [table for table in self.tables if table not in present]
+        if missing:
+            raise SchemaError(
+                path,
+                f"has an incomplete {self.name} schema (missing {', '.join(missing)})",
+                "Restore a good snapshot, or move the file aside to start empty",
+            )
+
+
+def _user_tables(conn: sqlite3.Connection) -> list[str]:
+    rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
+    return [row[0] for row in rows]
+
+
+def migrate(path: Path, conn: sqlite3.Connection, schema: Schema) -> None:
+    """Bring the database to the schema's current version in one transaction. Blocking."""
+
+    def txn(conn: sqlite3.Connection) -> None:
+        start = schema.check_identity(path, read_identity(conn), _user_tables(conn))
+        for step in schema.migrations[start:]:
+            step(conn)
+        if start < schema.version:
+            write_identity_txn(conn, SchemaIdentity(schema.name, schema.version))
+        schema.check_tables(path, conn)
+
+    try:
+        transaction(conn, txn)
+    except sqlite3.DatabaseError as exc:
+        raise SchemaError(path, f"cannot be read as a database ({exc})", "Restore a good snapshot, or move the file aside") from exc
+
+
+def inspect(path: Path, schema: Schema) -> None:
+    """Read-only preflight: raise SchemaError if the file exists and this build cannot use it."""
+    if not path.exists():
+        return
+    try:
+        conn = connect(path, readonly=True)
+        try:
+            version = schema.check_identity(path, read_identity(conn), _user_tables(conn))
+            if version:
+                schema.check_tables(path, conn)
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise SchemaError(path, f"cannot be read as a database ({exc})", "Restore a good snapshot, or move the file aside") from exc
+
+
+@attrs.define(eq=False)
+class SqlitePool:
+    """One connection to one database file, used by one worker thread at a time."""
+
+    path: Path
+    _conn: sqlite3.Connection = attrs.field(alias="conn")
+    _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
+    _closed: bool = attrs.field(init=False, default=False)
+
+    @classmethod
+    async def open(cls, path: Path, schema: Schema, *, synchronous: str = "FULL") -> SqlitePool:
+        """Open (creating if needed) and migrate. Raises SchemaError naming the file and the fix."""
+
+        def open_sync() -> sqlite3.Connection:
+            inspect(path, schema)  # refuse before anything (even the switch to WAL) touches the file
+            conn = connect(path, synchronous=synchronous)
+            try:
+                migrate(path, conn, schema)
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        return cls(path=path, conn=await trio.to_thread.run_sync(open_sync))
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(conn, *args)`` in the pool's thread; for reads and single statements."""
+        if self._closed:
+            raise StoreClosed(str(self.path))
+        return await trio.to_thread.run_sync(self._call, fn, args, limiter=self._limiter)
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(conn, *args)`` as one BEGIN IMMEDIATE transaction in the pool's thread."""
+        return await self.run(transaction, fn, *args)
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        if self._closed:  # closed while this call waited for the limiter
+            raise StoreClosed(str(self.path))
+        return fn(self._conn, *args)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with self._limiter:  # wait for the call in flight, if any
+            await trio.to_thread.run_sync(self._conn.close)

@@ -1,0 +1,465 @@
+"""The store contract, as checks any backend can be held to.
+
+``await run_contract(make_backend)`` runs every check, each against a fresh, empty backend made
+by ``make_backend()``. A backend hands out stores over its data: calling ``backend.sessions()``
+twice gives two stores (think: two processes) over the same data. Test suites may instead
+parametrize over ``SESSION_CHECKS`` and ``TASK_CHECKS`` to see each check by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+import trio
+import trio.testing
+
+from persistence.api import SessionStore, TaskStore
+from persistence.errors import InvalidEvent, InvalidPage, StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
+from persistence.transcript import Message, ToolCall
+
+DEADLINE_S = 30  # every check is bounded; none should come near it
+
+
+class Backend(Protocol):
+    def sessions(self) -> AbstractAsyncContextManager[Any]: ...
+
+    def tasks(self) -> AbstractAsyncContextManager[Any]: ...
+
+
+Check = Callable[[Backend], Awaitable[None]]
+SESSION_CHECKS: list[Check] = []
+TASK_CHECKS: list[Check] = []
+
+
+def session_check(fn: Check) -> Check:
+    SESSION_CHECKS.append(fn)
+    return fn
+
+
+def task_check(fn: Check) -> Check:
+    TASK_CHECKS.append(fn)
+    return fn
+
+
+async def run_contract(make_backend: Callable[[], Backend]) -> None:
+    """Run every check, each on a fresh backend; raises AssertionError naming the failed check."""
+    for check in SESSION_CHECKS + TASK_CHECKS:
+        try:
+            with trio.fail_after(DEADLINE_S):
+                await check(make_backend())
+        except AssertionError as exc:
+            raise AssertionError(f"{check.__name__}: {exc}") from exc
+
+
+def user(text: str) -> Message:
+    return Message(role="user", text=text)
+
+
+def answer(text: str) -> Message:
+    return Message(role="assistant", text=text)
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+
+@session_check
+async def a_transcript_comes_back_in_the_order_it_went_in(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        transcript = [user(f"m{i}") if i % 2 == 0 else answer(f"m{i}") for i in range(25)]
+        await store.save("s", transcript)
+        assert await store.messages("s") == transcript
+
+
+@session_check
+async def saving_extends_and_never_duplicates(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        first = [user("hello"), answer("hi")]
+        await store.save("s", first)
+        await store.save("s", first)
+        await store.save("s", [*first, user("again")])
+        assert await store.messages("s") == [*first, user("again")]
+        assert await store.length("s") == 3
+
+
+@session_check
+async def a_save_that_does_not_extend_the_stored_transcript_is_refused(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        await store.save("conv-7", [user("a"), answer("b")])
+        for bad in ([user("a")], [user("a"), answer("different")], []):
+            try:
+                await store.save("conv-7", bad)
+            except TranscriptConflict as exc:
+                assert "conv-7" in str(exc)
+            else:
+                raise AssertionError(f"saving {bad!r} over a longer transcript was accepted")
+        assert await store.messages("conv-7") == [user("a"), answer("b")]
+
+
+@session_check
+async def a_session_nobody_has_used_is_empty_rather_than_an_error(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        assert await store.messages("nobody") == []
+        assert await store.events("nobody") == []
+        assert await store.length("nobody") == 0
+        assert await store.take_steers("nobody") == []
+        assert await store.get_state("nobody") == {}
+
+
+@session_check
+async def a_steer_is_handed_out_exactly_once_in_the_order_left(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        for text in ("first", "second", "third"):
+            await store.add_steer("s", text)
+        assert await store.take_steers("s") == ["first", "second", "third"]
+        assert await store.take_steers("s") == []
+        await store.add_steer("s", "fourth")
+        assert await store.take_steers("s") == ["fourth"]
+
+
+@session_check
+async def two_sessions_do_not_see_each_other(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        await store.save("a", [user("for a")])
+        await store.save("b", [user("for b"), answer("b's")])
+        await store.add_steer("a", "steer a")
+        await store.set_state("a", {"k": "a"})
+        assert await store.messages("a") == [user("for a")]
+        assert await store.messages("b") == [user("for b"), answer("b's")]
+        assert await store.take_steers("b") == []
+        assert await store.get_state("b") == {}
+        assert await store.take_steers("a") == ["steer a"]
+
+
+@session_check
+async def two_stores_taking_at_once_never_both_get_a_steer(backend: Backend) -> None:
+    async with backend.sessions() as one, backend.sessions() as two:
+        for round_ in range(20):
+            await one.add_steer("s", f"steer {round_}")
+            taken: list[str] = []
+
+            async def take(store: SessionStore) -> None:
+                taken.extend(await store.take_steers("s"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(take, one)
+                nursery.start_soon(take, two)
+            assert taken == [f"steer {round_}"], f"round {round_}: the takers got {taken!r}"
+
+
+@session_check
+async def a_steer_left_through_one_store_reaches_another(backend: Backend) -> None:
+    async with backend.sessions() as one, backend.sessions() as two:
+        await one.add_steer("s", "check the lease expiry")
+        await one.save("s", [user("q")])
+        assert await two.take_steers("s") == ["check the lease expiry"]
+        assert await two.messages("s") == [user("q")]
+        assert await one.take_steers("s") == []
+
+
+@session_check
+async def the_store_does_not_alias_the_callers_objects(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        transcript = [user("q")]
+        await store.save("s", transcript)
+        transcript.append(answer("not saved"))
+        assert await store.messages("s") == [user("q")]
+        read = await store.messages("s")
+        read.append(answer("not stored"))
+        read.clear()
+        assert await store.messages("s") == [user("q")]
+        state: dict[str, object] = {"nested": {"n": 1}}
+        await store.set_state("s", state)
+        state["nested"] = "changed"
+        got = await store.get_state("s")
+        assert got == {"nested": {"n": 1}}
+        got["nested"] = "changed again"
+        assert await store.get_state("s") == {"nested": {"n": 1}}
+
+
+@session_check
+async def tool_arguments_and_event_content_come_back_byte_for_byte(backend: Backend) -> None:
+    raw_arguments = '{"z":1,  "query" :"vault",\n"z":3 , "é":"\\u00e9"}'
+    raw_event = '{ "b" : 1,"a":[2 ,3],"b":"dup" }'
+    async with backend.sessions() as store:
+        call = Message(role="assistant", tool_calls=(ToolCall(id="c1", name="read_file", arguments=raw_arguments),))
+        await store.save("s", [user("q"), call])
+        assert (await store.messages("s"))[1].tool_calls[0].arguments == raw_arguments
+        await store.append("s", [raw_event], author="tool")
+        event = (await store.events("s"))[-1]
+        assert (event.seq, event.author, event.content) == (2, "tool", raw_event)
+
+
+@session_check
+async def concurrent_first_use_of_one_session_creates_one_session(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(store.create_session, "shared")
+                nursery.start_soon(store.append, "shared", [json.dumps({"i": i})])
+        assert await store.length("shared") == 6
+        assert sorted(json.loads(e.content)["i"] for e in await store.events("shared")) == list(range(6))
+        assert [e.seq for e in await store.events("shared")] == list(range(6))
+
+
+@session_check
+async def each_session_keeps_its_order_under_fifty_concurrent_appenders(backend: Backend) -> None:
+    appenders, sessions, per_appender = 50, 10, 12
+    async with backend.sessions() as store:
+
+        async def appender(k: int) -> None:
+            for i in range(per_appender):
+                await store.append(f"s{k % sessions}", [json.dumps({"k": k, "i": i})])
+
+        async with trio.open_nursery() as nursery:
+            for k in range(appenders):
+                nursery.start_soon(appender, k)
+        for s in range(sessions):
+            events = await store.events(f"s{s}")
+            assert [e.seq for e in events] == list(range(len(events)))
+            assert len(events) == per_appender * appenders // sessions
+            seen: dict[int, list[int]] = {}
+            for e in events:
+                body = json.loads(e.content)
+                seen.setdefault(body["k"], []).append(body["i"])
+            assert all(order == list(range(per_appender)) for order in seen.values()), f"session s{s} reordered"
+
+
+@session_check
+async def bad_content_is_refused_with_its_index_and_nothing_is_written(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        await store.append("conv-9", ['{"ok":1}'])
+        for contents, index, words in (
+            (['{"fine":true}', "not json"], 1, "not JSON"),
+            (['{"fine":true}', '"' + "x" * (store.max_event_bytes + 1) + '"'], 1, "bytes"),
+        ):
+            try:
+                await store.append("conv-9", contents, at=1)
+            except InvalidEvent as exc:
+                assert (exc.session_id, exc.index) == ("conv-9", index)
+                assert "conv-9" in str(exc) and f"message {index}" in str(exc) and words in str(exc)
+            else:
+                raise AssertionError("bad content was accepted")
+        huge = Message(role="user", text="x" * (store.max_event_bytes + 1))
+        try:
+            await store.save("conv-9-b", [user("fine"), huge])
+        except InvalidEvent as exc:
+            assert (exc.session_id, exc.index) == ("conv-9-b", 1)
+        else:
+            raise AssertionError("an oversize message was saved")
+        assert [e.content for e in await store.events("conv-9")] == ['{"ok":1}']
+        assert await store.messages("conv-9-b") == []
+
+
+@session_check
+async def a_closed_store_refuses_every_call(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        await store.save("s", [user("q")])
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: store.save("s", [user("q"), answer("a")]),
+        lambda: store.append("s", ["{}"]),
+        lambda: store.messages("s"),
+        lambda: store.add_steer("s", "x"),
+        lambda: store.take_steers("s"),
+        lambda: store.set_state("s", {}),
+    ]
+    for call in calls:
+        try:
+            await call()
+        except StoreClosed as exc:
+            assert "closed" in str(exc)
+        else:
+            raise AssertionError("a closed store answered")
+    async with backend.sessions() as reopened:
+        assert await reopened.messages("s") == [user("q")]
+
+
+@session_check
+async def state_is_kept_per_session_app_and_user(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        await store.set_state("s", {"step": 3})
+        await store.set_app_state("keel", {"greeting": "hi"})
+        await store.set_user_state("keel", "u1", {"tz": "UTC"})
+        assert await store.get_state("s") == {"step": 3}
+        assert await store.get_app_state("keel") == {"greeting": "hi"}
+        assert await store.get_user_state("keel", "u1") == {"tz": "UTC"}
+        assert await store.get_user_state("keel", "u2") == {}
+        await store.set_state("s", {"step": 4})
+        assert await store.get_state("s") == {"step": 4}
+
+
+@session_check
+async def a_session_runs_one_turn_at_a_time_and_sessions_run_side_by_side(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        inside: dict[str, int] = {"a": 0, "b": 0}
+        peak: dict[str, int] = {"a": 0, "b": 0}
+        both_sessions_inside = trio.Event()
+
+        async def turn(session_id: str) -> None:
+            async with store.turn_lock(session_id):
+                inside[session_id] += 1
+                peak[session_id] = max(peak[session_id], inside[session_id])
+                if inside["a"] and inside["b"]:
+                    both_sessions_inside.set()
+                await trio.testing.wait_all_tasks_blocked()
+                inside[session_id] -= 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(turn, "a")
+                nursery.start_soon(turn, "b")
+        assert peak == {"a": 1, "b": 1}
+        assert both_sessions_inside.is_set(), "a turn on one session waited for another session"
+        assert store.turn_locks_held() == 0, "idle sessions still hold lock entries"
+
+
+# -- tasks --------------------------------------------------------------------------------------
+
+SUBMITTED, WORKING, COMPLETED = "TASK_STATE_SUBMITTED", "TASK_STATE_WORKING", "TASK_STATE_COMPLETED"
+
+
+async def make_task(store: TaskStore, task_id: str, *, owner: str = "alice", context_id: str = "ctx", state: str = SUBMITTED) -> Any:
+    return await store.create(owner, task_id=task_id, context_id=context_id, state=state, task_json=json.dumps({"id": task_id}))
+
+
+@task_check
+async def a_task_starts_at_version_one_and_an_id_is_taken_once(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        record = await make_task(store, "t1")
+        assert (record.version, record.state, record.owner, record.context_id) == (1, SUBMITTED, "alice", "ctx")
+        assert await store.get("alice", "t1") == record
+        try:
+            await make_task(store, "t1", owner="bob")
+        except TaskExists as exc:
+            assert "t1" in str(exc)
+        else:
+            raise AssertionError("a duplicate task id was accepted")
+
+
+@task_check
+async def an_update_bumps_the_version_and_a_stale_one_is_a_conflict(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        await make_task(store, "t1")
+        updated = await store.update("alice", "t1", state=WORKING, task_json='{"w":1}', expected_version=1)
+        assert (updated.version, updated.state, updated.task_json) == (2, WORKING, '{"w":1}')
+        try:
+            await store.update("alice", "t1", state=COMPLETED, task_json="{}", expected_version=1)
+        except VersionConflict as exc:
+            assert (exc.task_id, exc.expected, exc.actual) == ("t1", 1, 2)
+            assert "t1" in str(exc) and "1" in str(exc) and "2" in str(exc)
+        else:
+            raise AssertionError("a stale version was accepted")
+        unchecked = await store.update("alice", "t1", state=COMPLETED, task_json="{}", expected_version=None)
+        assert unchecked.version == 3
+        assert (await store.get("alice", "t1")).state == COMPLETED
+
+
+@task_check
+async def concurrent_updates_of_one_version_let_exactly_one_through(backend: Backend) -> None:
+    async with backend.tasks() as one, backend.tasks() as two:
+        await make_task(one, "t1")
+        outcomes: list[str] = []
+
+        async def update(store: TaskStore, n: int) -> None:
+            try:
+                await store.update("alice", "t1", state=WORKING, task_json=json.dumps({"n": n}), expected_version=1)
+                outcomes.append("ok")
+            except VersionConflict:
+                outcomes.append("conflict")
+
+        async with trio.open_nursery() as nursery:
+            for n in range(10):
+                nursery.start_soon(update, one if n % 2 else two, n)
+        assert sorted(outcomes) == ["conflict"] * 9 + ["ok"]
+        assert (await two.get("alice", "t1")).version == 2
+
+
+@task_check
+async def another_owners_task_is_indistinguishable_from_a_missing_one(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        await make_task(store, "mine", owner="alice")
+        messages = []
+        for call in (
+            lambda: store.get("bob", "mine"),
+            lambda: store.get("bob", "nothing"),
+            lambda: store.update("bob", "mine", state=COMPLETED, task_json="{}", expected_version=None),
+        ):
+            try:
+                await call()
+            except TaskNotFound as exc:
+                messages.append(str(exc).replace("nothing", "mine"))
+            else:
+                raise AssertionError("another owner's task was visible")
+        assert len(set(messages)) == 1
+        assert (await store.list("bob")).records == ()
+        assert (await store.get("alice", "mine")).state == SUBMITTED
+
+
+@task_check
+async def listing_filters_orders_newest_first_and_pages_through_everything_once(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        for i in range(23):
+            await make_task(store, f"t{i:02}", context_id="even" if i % 2 == 0 else "odd")
+        await make_task(store, "other-owner", owner="bob")
+        for i in range(0, 23, 3):
+            await store.update("alice", f"t{i:02}", state=WORKING, task_json="{}", expected_version=None)
+        seen: list[str] = []
+        token = ""
+        while True:
+            page = await store.list("alice", page_size=5, page_token=token)
+            assert page.total_size == 23
+            seen.extend(r.id for r in page.records)
+            keys = [(r.updated_at_ms, r.id) for r in page.records]
+            assert keys == sorted(keys, reverse=True)
+            token = page.next_page_token
+            if not token:
+                break
+        assert sorted(seen) == [f"t{i:02}" for i in range(23)] and len(seen) == 23
+        even = await store.list("alice", context_id="even", page_size=100)
+        assert {r.id for r in even.records} == {f"t{i:02}" for i in range(0, 23, 2)} and even.total_size == 12
+        working = await store.list("alice", state=WORKING)
+        assert {r.id for r in working.records} == {f"t{i:02}" for i in range(0, 23, 3)}
+        newest = max((r for r in (await store.list("alice", page_size=100)).records), key=lambda r: r.updated_at_ms)
+        later = await store.list("alice", updated_after_ms=newest.updated_at_ms)
+        assert later.records == () and later.total_size == 0
+        earlier = await store.list("alice", updated_after_ms=newest.updated_at_ms - 10**9)
+        assert earlier.total_size == 23
+
+
+@task_check
+async def a_bad_page_size_or_token_is_a_clear_error(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        for size in (0, 101, -1):
+            try:
+                await store.list("alice", page_size=size)
+            except InvalidPage as exc:
+                assert "between 1 and 100" in str(exc) and str(size) in str(exc)
+            else:
+                raise AssertionError(f"page size {size} was accepted")
+        try:
+            await store.list("alice", page_token="%%%not-a-token")
+        except InvalidPage as exc:
+            assert "malformed" in str(exc)
+        else:
+            raise AssertionError("a malformed page token was accepted")
+
+
+@task_check
+async def unfinished_tasks_are_found_across_owners(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        await make_task(store, "a", owner="alice")
+        await make_task(store, "b", owner="bob", state=WORKING)
+        await make_task(store, "c", owner="bob", state=COMPLETED)
+        assert {r.id for r in await store.unfinished()} == {"a", "b"}
+
+
+@task_check
+async def a_task_outlives_the_store_that_wrote_it(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        await make_task(store, "t1")
+        await store.update("alice", "t1", state=COMPLETED, task_json='{"done":true}', expected_version=1)
+    async with backend.tasks() as reopened:
+        record = await reopened.get("alice", "t1")
+        assert (record.state, record.version, record.task_json) == (COMPLETED, 2, '{"done":true}')

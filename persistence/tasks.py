@@ -1,0 +1,206 @@
+"""The SQLite task store (``tasks.db``): one row per A2A task, versioned and owner-scoped."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from persistence.api import TaskPage, TaskRecord
+from persistence.errors import InvalidPage, TaskExists, TaskNotFound, VersionConflict
+from persistence.sessions import now_ms
+from persistence.sqlite import Schema, SqlitePool, execute_ddl
+from persistence.writer import WriterBacked, running
+
+MAX_PAGE_SIZE = 100
+UNFINISHED_STATES = ("TASK_STATE_SUBMITTED", "TASK_STATE_WORKING")
+
+
+def _v1(conn: sqlite3.Connection) -> None:
+    execute_ddl(
+        conn,
+        """
+        CREATE TABLE tasks (
+            id TEXT PRIMARY KEY,
+            context_id TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            state TEXT NOT NULL,
+            version INTEGER NOT NULL,
+            created_at_ms INTEGER NOT NULL,
+            updated_at_ms INTEGER NOT NULL,
+            task TEXT NOT NULL                      -- the task's JSON
+        );
+        CREATE INDEX tasks_owner_recent ON tasks (owner, updated_at_ms DESC, id DESC);
+        CREATE INDEX tasks_context ON tasks (context_id);
+        CREATE INDEX tasks_state ON tasks (state);
+        """,
+    )
+
+
+TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1,), tables=("tasks",))
+
+_COLUMNS = "id, context_id, owner, state, version, created_at_ms, updated_at_ms, task"
+
+
+def record_from_row(row: tuple[Any, ...]) -> TaskRecord:
+    id_, context_id, owner, state, version, created, updated, task = row
+    return TaskRecord(
+        id=id_, context_id=context_id, owner=owner, state=state, version=int(version),
+        created_at_ms=int(created), updated_at_ms=int(updated), task_json=task,
+    )  # fmt: skip
+
+
+def check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise InvalidPage(f"page size must be between 1 and {MAX_PAGE_SIZE} inclusive, got {page_size!r}")
+
+
+def encode_page_token(record: TaskRecord) -> str:
+    raw = json.dumps([record.updated_at_ms, record.id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_page_token(token: str) -> tuple[int, str]:
+    try:
+        updated, task_id = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        if not isinstance(updated, int) or not isinstance(task_id, str):
+            raise ValueError
+    except (ValueError, TypeError) as exc:
+        raise InvalidPage(
+            f"page token {token[:40]!r} is malformed; pass the nextPageToken of the previous page, or none for the first"
+        ) from exc
+    return updated, task_id
+
+
+def _create_txn(conn: sqlite3.Connection, record: TaskRecord) -> TaskRecord:
+    try:
+        conn.execute(
+            f"INSERT INTO tasks ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (record.id, record.context_id, record.owner, record.state, record.version,
+             record.created_at_ms, record.updated_at_ms, record.task_json),
+        )  # fmt: skip
+    except sqlite3.IntegrityError as exc:
+        raise TaskExists(record.id) from exc
+    return record
+
+
+def _update_txn(
+    conn: sqlite3.Connection, owner: str, task_id: str, state: str, task_json: str, expected: int | None
+) -> TaskRecord:
+    row = conn.execute(f"SELECT {_COLUMNS} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)).fetchone()
+    if row is None:
+        raise TaskNotFound(task_id)
+    current = record_from_row(row)
+    if expected is not None and expected != current.version:
+        raise VersionConflict(task_id, expected, current.version)
+    new = attrs.evolve(current, state=state, task_json=task_json, version=current.version + 1, updated_at_ms=now_ms())
+    conn.execute(
+        "UPDATE tasks SET state = ?, version = ?, updated_at_ms = ?, task = ? WHERE id = ? AND version = ?",
+        (new.state, new.version, new.updated_at_ms, new.task_json, task_id, current.version),
+    )
+    return new
+
+
+def _list_txn(
+    conn: sqlite3.Connection, owner: str, filters: dict[str, Any], page_size: int, after: tuple[int, str] | None
+) -> TaskPage:
+    where = ["owner = :owner"]
+    params: dict[str, Any] = {"owner": owner, "limit": page_size + 1}
+    for column, op in (("context_id", "="), ("state", "="), ("updated_at_ms", ">")):
+        if filters.get(column) is not None:
+            where.append(f"{column} {op} :{column}")
+            params[column] = filters[column]
+    (total,) = conn.execute(f"SELECT count(*) FROM tasks WHERE {' AND '.join(where)}", params).fetchone()
+    if after is not None:
+        # Keyset pagination: rows strictly after the last one of the previous page.
+        where.append("(updated_at_ms < :after_ms OR (updated_at_ms = :after_ms AND id < :after_id))")
+        params["after_ms"], params["after_id"] = after
+    rows = conn.execute(
+        f"SELECT {_COLUMNS} FROM tasks WHERE {' AND '.join(where)} ORDER BY updated_at_ms DESC, id DESC LIMIT :limit",
+        params,
+    ).fetchall()
+    records = tuple(record_from_row(row) for row in rows[:page_size])
+    token = encode_page_token(records[-1]) if len(rows) > page_size else ""
+    return TaskPage(records=records, next_page_token=token, total_size=int(total))
+
+
+@attrs.define(eq=False)
+class SqliteTaskStore(WriterBacked):
+    """A2A tasks in one SQLite file; writes through a group-commit writer.
+
+    Another owner's task is indistinguishable from a missing one: every call is owner-scoped.
+    """
+
+    @classmethod
+    async def open(cls, path: Path, *, synchronous: str = "FULL") -> SqliteTaskStore:
+        return cls(pool=await SqlitePool.open(path, TASKS_SCHEMA, synchronous=synchronous))
+
+    async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord:
+        now = now_ms()
+        record = TaskRecord(
+            id=task_id, context_id=context_id, owner=owner, state=state, version=1,
+            created_at_ms=now, updated_at_ms=now, task_json=task_json,
+        )  # fmt: skip
+        return await self._writer.submit(_create_txn, record)
+
+    async def get(self, owner: str, task_id: str) -> TaskRecord:
+        row = await self.pool.run(
+            lambda conn: conn.execute(f"SELECT {_COLUMNS} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)).fetchone()
+        )
+        if row is None:
+            raise TaskNotFound(task_id)
+        return record_from_row(row)
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None
+    ) -> TaskRecord:
+        return await self._writer.submit(_update_txn, owner, task_id, state, task_json, expected_version)
+
+    async def list(
+        self,
+        owner: str,
+        *,
+        context_id: str | None = None,
+        state: str | None = None,
+        updated_after_ms: int | None = None,
+        page_size: int = 50,
+        page_token: str = "",
+    ) -> TaskPage:
+        check_page_size(page_size)
+        after = decode_page_token(page_token) if page_token else None
+        filters = {"context_id": context_id, "state": state, "updated_at_ms": updated_after_ms}
+        # One read transaction, so the count and the page agree.
+        return await self.pool.run(_read_txn, _list_txn, owner, filters, page_size, after)
+
+    async def unfinished(self) -> list[TaskRecord]:
+        """Every owner's SUBMITTED or WORKING tasks, oldest first: what a dead process left running."""
+        marks = ", ".join("?" for _ in UNFINISHED_STATES)
+        rows = await self.pool.run(
+            lambda conn: conn.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE state IN ({marks}) ORDER BY created_at_ms, id", UNFINISHED_STATES
+            ).fetchall()
+        )
+        return [record_from_row(row) for row in rows]
+
+
+
+def _read_txn(conn: sqlite3.Connection, fn: Any, *args: Any) -> Any:
+    conn.execute("BEGIN")
+    try:
+        return fn(conn, *args)
+    finally:
+        conn.execute("COMMIT")
+
+
+@asynccontextmanager
+async def open_task_store(path: Path, **options: Any) -> AsyncIterator[SqliteTaskStore]:
+    """A task store whose writer runs in a nursery owned by this context."""
+    async with running(await SqliteTaskStore.open(path, **options)) as store:
+        yield store

@@ -1,0 +1,112 @@
+"""Checks applied to content before anything of a call is written."""
+
+from __future__ import annotations
+
+import json
+import json.scanner
+from collections.abc import Sequence
+
+from persistence.errors import InvalidEvent, StoreError, TranscriptConflict
+from persistence.transcript import Message
+
+MAX_EVENT_BYTES = 1 << 20  # 1 MiB: a larger event is almost certainly a bug upstream
+
+
+# The decoder's scanner parses one JSON value at a position; json.loads adds whitespace handling
+# around it. Appends check every content, so the common case (no surrounding whitespace) skips
+# that layer, and anything else takes the full path.
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+_STRICT = json.JSONDecoder(parse_constant=_reject_constant)
+_scan_once = json.scanner.make_scanner(_STRICT)  # type: ignore[no-untyped-call]
+
+
+def is_json(text: str) -> bool:
+    """Whether text is one strict JSON value (no NaN or Infinity), whitespace allowed around it."""
+    try:
+        _, end = _scan_once(text, 0)
+        if end == len(text):
+            return True
+    except (StopIteration, ValueError):
+        pass
+    try:
+        _STRICT.decode(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_contents(session_id: str, contents: Sequence[str], *, first_index: int, max_bytes: int) -> None:
+    """Raise InvalidEvent for the first content that is not JSON text of at most max_bytes."""
+    for offset, content in enumerate(contents):
+        index = first_index + offset
+        if not isinstance(content, str):
+            raise InvalidEvent(session_id, index, f"content must be JSON text (str), not {type(content).__name__}")
+        check_sizes(session_id, (content,), first_index=index, max_bytes=max_bytes)
+        if not is_json(content):
+            try:
+                _STRICT.decode(content)
+            except ValueError as exc:
+                raise InvalidEvent(session_id, index, f"content is not JSON ({exc})") from None
+
+
+def check_session_id(session_id: str) -> None:
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError("a session id must be a non-empty string; an empty one would collect every conversation in one bucket")
+
+
+def check_steer(session_id: str, text: str) -> None:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a steer for session {session_id!r} must be non-empty text")
+
+
+def plan_save(
+    session_id: str, messages: Sequence[Message], *, stored: int, last_stored: str | None, max_bytes: int
+) -> list[str]:
+    """The contents a save must append, given what is stored: only the new messages.
+
+    Checks the boundary message rather than the whole prefix, so a save costs the same at the
+    tenth message as at the ten-thousandth. Raises TranscriptConflict or InvalidEvent.
+    """
+    if len(messages) < stored:
+        raise TranscriptConflict(
+            session_id, f"the transcript has {len(messages)} messages but {stored} are stored; a save must extend what is stored"
+        )
+    if stored:
+        try:
+            same = last_stored is not None and Message.from_json(last_stored) == messages[stored - 1]
+        except ValueError:
+            same = False
+        if not same:
+            raise TranscriptConflict(
+                session_id, f"message {stored - 1} differs from the stored one; a save must extend what is stored"
+            )
+    contents = []
+    for index in range(stored, len(messages)):
+        message = messages[index]
+        if not isinstance(message, Message):
+            raise InvalidEvent(session_id, index, f"expected a Message, got {type(message).__name__}")
+        contents.append(message.to_json())
+    check_sizes(session_id, contents, first_index=stored, max_bytes=max_bytes)
+    return contents
+
+
+def check_sizes(session_id: str, contents: Sequence[str], *, first_index: int, max_bytes: int) -> None:
+    for offset, content in enumerate(contents):
+        if len(content) * 4 <= max_bytes:  # no UTF-8 character takes more than 4 bytes
+            continue
+        size = len(content.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise InvalidEvent(session_id, first_index + offset, f"it is {size} bytes, over the limit of {max_bytes}")
+
+
+def decode_messages(session_id: str, contents: Sequence[str]) -> list[Message]:
+    messages = []
+    for index, content in enumerate(contents):
+        try:
+            messages.append(Message.from_json(content))
+        except ValueError as exc:
+            raise StoreError(f"event {index} of session {session_id!r} is not a message: {exc}") from exc
+    return messages

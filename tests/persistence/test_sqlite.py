@@ -1,0 +1,215 @@
+"""The SQLite pool, the group-commit writer, schemas, and what survives a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from persistence.errors import SchemaError
+from persistence.schema import SchemaIdentity, write_identity_txn
+from persistence.session import Session
+from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
+from persistence.sqlite import SqlitePool, inspect
+from persistence.writer import GroupCommitWriter
+from persistence.tasks import TASKS_SCHEMA, open_task_store
+from persistence.transcript import Message
+
+from tests.persistence import crash_writer
+
+
+def pragma(path: Path, name: str) -> object:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(f"PRAGMA {name}").fetchone()[0]
+
+
+async def test_sqlite_pool_uses_wal_full_sync_foreign_keys_and_a_busy_timeout(tmp_path: Path) -> None:
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        settings = await store.pool.run(
+            lambda conn: [conn.execute(f"PRAGMA {name}").fetchone()[0] for name in ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")]
+        )
+    assert settings == ["wal", 2, 1, 5000]  # synchronous 2 = FULL
+
+
+async def test_group_commit_puts_concurrent_appends_in_few_transactions(tmp_path: Path) -> None:
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        before = store.batches
+        async with trio.open_nursery() as nursery:
+            for k in range(64):
+                nursery.start_soon(store.append, f"s{k}", ['{"n":1}'])
+        assert store.batches - before < 64 / 4, f"{store.batches - before} transactions for 64 appends"
+        assert sum([await store.length(f"s{k}") for k in range(64)]) == 64
+
+
+async def test_group_commit_a_failing_write_does_not_undo_the_rest_of_its_batch(tmp_path: Path) -> None:
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        outcomes: dict[str, str] = {}
+
+        async def append(session_id: str, at: int | None) -> None:
+            try:
+                await store.append(session_id, ['{"n":1}'], at=at)
+                outcomes[session_id] = "ok"
+            except Exception as exc:
+                outcomes[session_id] = type(exc).__name__
+
+        async with trio.open_nursery() as nursery:
+            for k in range(10):
+                nursery.start_soon(append, f"s{k}", 5 if k == 3 else None)
+        assert outcomes.pop("s3") == "TranscriptConflict"
+        assert set(outcomes.values()) == {"ok"}
+        assert [await store.length(f"s{k}") for k in range(10)] == [1, 1, 1, 0, 1, 1, 1, 1, 1, 1]
+
+
+async def test_group_commit_writer_must_be_started_before_use(tmp_path: Path) -> None:
+    store = await SqliteSessionStore.open(tmp_path / "runtime.db")
+    try:
+        with pytest.raises(RuntimeError, match=r"nursery\.start\(store\.run\)"):
+            await store.append("s", ["{}"])
+    finally:
+        await store.aclose()
+
+
+async def test_group_commit_writes_queued_before_close_are_committed(tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    pool = await SqlitePool.open(path, SESSIONS_SCHEMA)
+    writer = GroupCommitWriter(pool)
+    done: list[int] = []
+
+    async def write(n: int) -> None:
+        await writer.submit(lambda conn: conn.execute("INSERT INTO app_states VALUES (?, '{}', 0)", (f"app{n}",)))
+        done.append(n)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.run)
+        for n in range(20):
+            nursery.start_soon(write, n)
+        await trio.testing.wait_all_tasks_blocked()
+        await writer.aclose()
+    await pool.aclose()
+    assert sorted(done) == list(range(20))
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT count(*) FROM app_states").fetchone()[0] == 20
+
+
+async def test_a_transcript_outlives_the_store_that_wrote_it(tmp_path: Path) -> None:
+    transcript = [Message(role="user", text="q"), Message(role="assistant", text="a")]
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        await Session.open("conv", store).save(transcript)
+        await Session.open("conv", store).steer("later")
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        session = Session.open("conv", store)
+        assert await session.messages() == transcript
+        assert await session.take_steers() == ["later"]
+
+
+def test_session_open_refuses_an_empty_id_and_a_missing_store() -> None:
+    with pytest.raises(ValueError, match="needs an id"):
+        Session.open("", None)
+    with pytest.raises(ValueError, match="needs a store"):
+        Session.open("conv", None)
+
+
+async def test_reopening_an_existing_database_is_idempotent(tmp_path: Path) -> None:
+    for n in range(3):
+        async with open_task_store(tmp_path / "tasks.db") as store:
+            await store.create("o", task_id=f"t{n}", context_id="c", state="TASK_STATE_SUBMITTED", task_json="{}")
+    async with open_task_store(tmp_path / "tasks.db") as store:
+        assert (await store.list("o")).total_size == 3
+
+
+def make_foreign(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE something (x)")
+
+
+def make_newer(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        write_identity_txn(conn, SchemaIdentity("keel.tasks", 99))
+
+
+def make_other_schema(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        write_identity_txn(conn, SchemaIdentity("keel.sessions", 1))
+
+
+def make_incomplete(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        write_identity_txn(conn, SchemaIdentity("keel.tasks", 1))
+
+
+def make_garbage(path: Path) -> None:
+    path.write_bytes(b"this is not a database, it is a text file " * 100)
+
+
+REFUSALS = [
+    (make_foreign, "no Keel schema identity", "Move the file aside"),
+    (make_newer, "keel.tasks@99 but this build supports keel.tasks@1", "Upgrade Keel, or restore a snapshot"),
+    (make_other_schema, "is a keel.sessions database, not keel.tasks", "Point the state directory"),
+    (make_incomplete, "incomplete keel.tasks schema", "Restore a good snapshot"),
+    (make_garbage, "cannot be read as a database", "Restore a good snapshot"),
+]
+
+
+@pytest.mark.parametrize(("make", "words", "fix"), REFUSALS, ids=[r[0].__name__ for r in REFUSALS])
+async def test_opening_an_unusable_database_names_the_file_and_the_fix_and_changes_nothing(
+    tmp_path: Path, make: object, words: str, fix: str
+) -> None:
+    path = tmp_path / "tasks.db"
+    make(path)  # type: ignore[operator]
+    before = path.read_bytes()
+    with pytest.raises(SchemaError) as caught:
+        inspect(path, TASKS_SCHEMA)
+    assert str(path) in str(caught.value) and words in str(caught.value)
+    with pytest.raises(SchemaError, match=words.replace("@", ".").replace("(", r"\(")):
+        await SqlitePool.open(path, TASKS_SCHEMA)
+    assert path.read_bytes() == before
+    assert fix in str(caught.value)
+
+
+def test_preflight_inspection_of_a_missing_file_creates_nothing(tmp_path: Path) -> None:
+    inspect(tmp_path / "tasks.db", TASKS_SCHEMA)
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_every_append_acknowledged_before_a_sigkill_survives_untorn(tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    acked: set[tuple[int, int]] = set()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with trio.fail_after(60):
+        process = await trio.lowlevel.open_process(
+            [sys.executable, crash_writer.__file__, str(path)], stdout=subprocess.PIPE, env=env
+        )
+        try:
+            buffer = b""
+            assert process.stdout is not None
+            while len(acked) < 400:
+                chunk = await process.stdout.receive_some()
+                assert chunk, f"the writer exited early with {await process.wait()}"
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                acked.update(tuple(map(int, line.split())) for line in lines)  # type: ignore[misc]
+        finally:
+            process.kill()  # SIGKILL, mid-append: the writers never stop on their own
+            await process.wait()
+    assert process.returncode == -9
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    async with open_session_store(path) as store:
+        stored: dict[int, list[int]] = {}
+        for s in range(4):
+            events = await store.events(f"session-{s}")
+            assert [e.seq for e in events] == list(range(len(events)))
+            for event in events:
+                body = json.loads(event.content)
+                assert event.content == crash_writer.content(body["k"], body["i"])
+                stored.setdefault(body["k"], []).append(body["i"])
+    for k, order in stored.items():
+        assert order == list(range(len(order))), f"writer {k}'s events are out of order or have a gap"
+    missing = {(k, i) for k, i in acked if i >= len(stored.get(k, []))}
+    assert not missing, f"{len(missing)} acknowledged appends are gone"

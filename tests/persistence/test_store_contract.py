@@ -1,0 +1,75 @@
+"""Every backend keeps the store contract of persistence.storetest."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import pytest
+
+from persistence import storetest
+from persistence.memory import MemorySessionData, MemorySessionStore, MemoryTaskStore
+from persistence.sessions import open_session_store
+from persistence.tasks import open_task_store
+from persistence.api import TaskRecord
+
+
+@attrs.define
+class SqliteBackend:
+    directory: Path
+
+    def sessions(self):  # type: ignore[no-untyped-def]
+        return open_session_store(self.directory / "runtime.db")
+
+    def tasks(self):  # type: ignore[no-untyped-def]
+        return open_task_store(self.directory / "tasks.db")
+
+
+@attrs.define
+class MemoryBackend:
+    session_data: MemorySessionData = attrs.Factory(MemorySessionData)
+    task_data: dict[str, TaskRecord] = attrs.Factory(dict)
+
+    @asynccontextmanager
+    async def sessions(self) -> AsyncIterator[MemorySessionStore]:
+        store = MemorySessionStore(self.session_data)
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+    @asynccontextmanager
+    async def tasks(self) -> AsyncIterator[MemoryTaskStore]:
+        store = MemoryTaskStore(self.task_data)
+        try:
+            yield store
+        finally:
+            await store.aclose()
+
+
+CHECKS = storetest.SESSION_CHECKS + storetest.TASK_CHECKS
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+async def test_sqlite_stores_keep_the_contract(check: storetest.Check, tmp_path: Path) -> None:
+    await check(SqliteBackend(tmp_path))
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+async def test_memory_stores_keep_the_contract(check: storetest.Check) -> None:
+    await check(MemoryBackend())
+
+
+async def test_run_contract_runs_every_check_and_names_a_failure() -> None:
+    await storetest.run_contract(MemoryBackend)
+
+    @attrs.define
+    class ForgetfulBackend(MemoryBackend):
+        @asynccontextmanager
+        async def sessions(self) -> AsyncIterator[MemorySessionStore]:
+            yield MemorySessionStore()  # a fresh store each time: nothing is shared or kept
+
+    with pytest.raises(AssertionError, match="two_stores_taking_at_once|a_steer_left_through_one_store"):
+        await storetest.run_contract(ForgetfulBackend)
