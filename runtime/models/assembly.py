@@ -1,0 +1,162 @@
+"""Turning a streamed answer (server-sent events of chat-completion chunks) into deltas, sans I/O.
+
+Tool calls are assembled by their ``index``: the first fragment of a call carries its id and name,
+later ones only pieces of ``arguments``, which are concatenated as text, exactly as they came.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from persistence.transcript import Message, ToolCall
+from runtime.models.errors import ModelBadResponse
+from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
+from runtime.models.wire import arguments_text, inferred_finish_reason, optional_str, parse_usage, synthetic_call_id
+
+
+@attrs.define
+class _CallParts:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = attrs.Factory(list)
+
+
+@attrs.define(eq=False)
+class StreamAssembler:
+    """Feed it the lines of the response body; it returns the deltas each line completes.
+
+    ``done`` turns true at ``data: [DONE]``. Raises ModelBadResponse for a chunk that is not a chat
+    completion chunk, for an error the server reports in the stream, and for a stream that ends
+    before the model finished.
+    """
+
+    model: str
+    done: bool = attrs.field(init=False, default=False)
+    _data: list[str] = attrs.field(init=False, factory=list)
+    _text: list[str] = attrs.field(init=False, factory=list)
+    _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
+    _finish_reason: str = attrs.field(init=False, default="")
+    _usage: Usage | None = attrs.field(init=False, default=None)
+
+    def feed_line(self, line: str) -> list[Delta]:
+        """One line of the body, without its line ending (server-sent events framing)."""
+        if self.done:
+            return []
+        if not line:
+            return self._dispatch()
+        field, _, value = line.partition(":")
+        if field == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        # Comments (":" keep-alives) and the event, id and retry fields carry nothing we use.
+        return []
+
+    def end_of_stream(self) -> list[Delta]:
+        """The body ended. A server that finished but sent no ``[DONE]`` is forgiven; one that
+        stopped before the model finished is not."""
+        deltas = self._dispatch()
+        if not self.done:
+            if not self._finish_reason:
+                raise ModelBadResponse(self.model, "the stream ended before the model finished its answer")
+            self.done = True
+        return deltas
+
+    def completion(self) -> Completion:
+        if not self.done:
+            raise RuntimeError("The answer is not complete yet; read the stream to its end before asking for the completion.")
+        return Completion(message=self._message(partial=False), finish_reason=self._finish_reason, usage=self._usage)
+
+    def partial_message(self) -> Message:
+        """What the model has said so far, marked partial; tool calls are left out until the model
+        has finished, because their arguments may have been cut off mid-way."""
+        return self._message(partial=not self.done)
+
+    def _message(self, *, partial: bool) -> Message:
+        calls = () if partial else self._tool_calls()
+        return Message(role="assistant", text="".join(self._text), tool_calls=calls, partial=partial)
+
+    def _tool_calls(self) -> tuple[ToolCall, ...]:
+        return tuple(
+            ToolCall(id=parts.id or synthetic_call_id(index), name=parts.name, arguments="".join(parts.arguments))
+            for index, parts in sorted(self._calls.items())
+        )
+
+    def _dispatch(self) -> list[Delta]:
+        if not self._data:
+            return []
+        data = "\n".join(self._data)
+        self._data.clear()
+        if data.strip() == "[DONE]":
+            self.done = True
+            return [] if self._finish_reason else self._finish(inferred_finish_reason(self._tool_calls()))
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise ModelBadResponse(self.model, "a stream event is not JSON", detail=data[:2000]) from exc
+        return self._on_chunk(chunk)
+
+    def _on_chunk(self, chunk: object) -> list[Delta]:
+        if not isinstance(chunk, dict):
+            raise ModelBadResponse(self.model, "a stream event is not a JSON object")
+        if "error" in chunk:
+            detail = json.dumps(chunk["error"], ensure_ascii=False)[:2000]
+            raise ModelBadResponse(self.model, "the server reported an error in the middle of the answer", detail=detail)
+        deltas: list[Delta] = []
+        for choice in chunk.get("choices") or ():
+            # One answer is asked for (n=1); a server that sends more choices is ignored past the first.
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                deltas.extend(self._on_choice(choice))
+        usage = parse_usage(chunk.get("usage"), model=self.model)
+        if usage is not None:
+            self._usage = usage
+            deltas.append(usage)
+        return deltas
+
+    def _on_choice(self, choice: dict[str, Any]) -> list[Delta]:
+        deltas: list[Delta] = []
+        delta = choice.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
+        text = optional_str(delta.get("content"), model=self.model, what="a chunk's content")
+        if text:
+            self._text.append(text)
+            deltas.append(TextDelta(text))
+        for position, call in enumerate(delta.get("tool_calls") or ()):
+            deltas.append(self._on_tool_call(position, call))
+        reason = optional_str(choice.get("finish_reason"), model=self.model, what="the finish reason")
+        if reason and not self._finish_reason:
+            deltas.extend(self._finish(reason))
+        return deltas
+
+    def _on_tool_call(self, position: int, call: object) -> ToolCallDelta:
+        if not isinstance(call, dict):
+            raise ModelBadResponse(self.model, "a tool call fragment is not a JSON object")
+        # A server that leaves out the index sends whole calls, one per position.
+        index = call.get("index", position)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ModelBadResponse(self.model, "a tool call fragment has an index that is not a count")
+        function = call.get("function") or {}
+        if not isinstance(function, dict):
+            raise ModelBadResponse(self.model, f"tool call {index} is not a function call")
+        call_id = optional_str(call.get("id"), model=self.model, what=f"the id of tool call {index}")
+        name = optional_str(function.get("name"), model=self.model, what=f"the name of tool call {index}")
+        fragment = arguments_text(function.get("arguments"), model=self.model, index=index)
+        parts = self._calls.setdefault(index, _CallParts())
+        # The id and name come once; a server that repeats them in later fragments is not
+        # asking for them to be concatenated.
+        parts.id = parts.id or call_id
+        parts.name = parts.name or name
+        if fragment:
+            parts.arguments.append(fragment)
+        return ToolCallDelta(index=index, id=call_id, name=name, arguments=fragment)
+
+    def _finish(self, reason: str) -> list[Delta]:
+        """Called once: the assembled calls, then Finish. A finish_reason is never empty after it."""
+        self._finish_reason = reason
+        calls = self._tool_calls()
+        for call in calls:
+            if not call.name:
+                raise ModelBadResponse(self.model, f"tool call {call.id!r} has no name")
+        return [*calls, Finish(reason)]

@@ -1,0 +1,355 @@
+"""An OpenAI-compatible chat-completions client over ``httpx.AsyncClient``.
+
+It speaks to Ollama, vLLM, the llama.cpp server and hosted APIs alike, and stores nothing: each
+call sends the whole request it is given. Failures before the server has started an answer
+(connection refused or reset, HTTP 429, HTTP 5xx) are retried a bounded number of times with
+exponential backoff. Once the server has answered 2xx the call is never retried, streamed or not:
+part of the answer may already be in the caller's hands, and a second request would say it twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import httpx
+import trio
+
+from persistence.transcript import Message
+from runtime.models.assembly import StreamAssembler
+from runtime.models.errors import (
+    ModelBadResponse,
+    ModelError,
+    ModelRateLimited,
+    ModelRejected,
+    ModelTimeout,
+    ModelUnavailable,
+)
+from runtime.models.values import ChatRequest, Completion, Delta
+from runtime.models.wire import parse_completion, request_body
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://127.0.0.1:11434/v1"  # a local Ollama
+DEFAULT_MODEL = "qwen3:4b-instruct"
+_DETAIL_CHARS = 2000  # how much of a server's error body is kept for the logs
+
+
+def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"the model base URL must be an http:// or https:// URL with a host, for example {DEFAULT_BASE_URL}")
+
+
+@attrs.frozen
+class ModelConfig:
+    """Where the model is and how long to wait for it.
+
+    ``read_timeout_s`` bounds each wait for data: for the answer to start and, when streaming,
+    between two pieces of it. A bound on the whole call is the caller's ``trio.fail_after``.
+    """
+
+    base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url)
+    model: str = attrs.field(default=DEFAULT_MODEL, validator=attrs.validators.min_len(1))
+    api_key: str | None = attrs.field(default=None, repr=False)
+    connect_timeout_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
+    read_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    max_retries: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    backoff_base_s: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    backoff_max_s: float = attrs.field(default=8.0, validator=attrs.validators.ge(0))
+
+    @property
+    def endpoint(self) -> str:
+        """The base URL without credentials or query, fit for a log line."""
+        parts = urlsplit(self.base_url)
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
+
+
+@asynccontextmanager
+async def open_model_client(config: ModelConfig) -> AsyncIterator[ModelClient]:
+    """A ModelClient with its own connection pool, closed when the block exits.
+
+    Proxy settings are not read from the environment (nothing below ``main`` reads it); a local
+    model server is reached directly.
+    """
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as http:
+        yield ModelClient(config, http)
+
+
+@attrs.frozen
+class _Failure:
+    error: ModelError
+    retry: bool
+    retry_after_s: float | None = None
+
+
+@attrs.define(eq=False)
+class ModelClient:
+    """Chat completions, streamed or not, and the server's model catalog.
+
+    ``http`` is the caller's ``httpx.AsyncClient`` (see ``open_model_client``); its own timeouts
+    and base URL are not used, the config's are.
+    """
+
+    config: ModelConfig
+    _http: httpx.AsyncClient = attrs.field(alias="http")
+
+    async def complete(self, request: ChatRequest) -> Completion:
+        """The model's next message, in one piece.
+
+        Blocks until the whole answer has arrived. Cancellation closes the connection. Raises a
+        ModelError subclass; ValueError when the transcript cannot be sent.
+        """
+        body = request_body(request, model=self.config.model, stream=False)
+        response = await self._open("POST", "chat/completions", body, accept="application/json")
+        return parse_completion(await self._read_json(response), model=self.config.model)
+
+    def stream(self, request: ChatRequest) -> ChatStream:
+        """The model's next message as it is produced::
+
+            async with client.stream(request) as chunks:
+                async for delta in chunks:
+                    ...
+            completion = chunks.completion()
+
+        Entering sends the request (retrying as the module docstring says); iterating reads the
+        answer. Leaving the block, by cancellation or otherwise, closes the HTTP stream.
+        Raises a ModelError subclass from either; ValueError when the transcript cannot be sent.
+        """
+        return ChatStream(self, request)
+
+    async def list_models(self) -> tuple[str, ...]:
+        """The ids in the server's catalog (``GET {base}/models``). Raises a ModelError subclass."""
+        response = await self._open("GET", "models", None, accept="application/json")
+        data = await self._read_json(response)
+        entries = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ModelBadResponse(self.config.model, "the model catalog has no list of models")
+        return tuple(entry["id"] for entry in entries if isinstance(entry, dict) and isinstance(entry.get("id"), str))
+
+    async def has_model(self, name: str | None = None) -> bool:
+        """Whether the server's catalog offers ``name`` (by default the configured model).
+
+        A readiness check: it runs no inference. A name without a tag also matches Ollama's
+        ``name:latest``. Raises a ModelError subclass when the catalog cannot be read.
+        """
+        wanted = name or self.config.model
+        models = await self.list_models()
+        return wanted in models or (":" not in wanted and f"{wanted}:latest" in models)
+
+    async def _open(self, method: str, path: str, body: dict[str, Any] | None, *, accept: str) -> httpx.Response:
+        """Send with retries; returns a 2xx response whose body is unread. The caller closes it."""
+        url = f"{self.config.base_url.rstrip('/')}/{path}"
+        timeout = httpx.Timeout(
+            connect=self.config.connect_timeout_s, read=self.config.read_timeout_s,
+            write=self.config.read_timeout_s, pool=self.config.connect_timeout_s,
+        )
+        attempt = 0
+        while True:
+            attempt += 1
+            request = self._http.build_request(method, url, json=body, headers=self._headers(accept), timeout=timeout)
+            try:
+                response = await self._http.send(request, stream=True)
+            except httpx.RequestError as exc:
+                failure = self._failure_to_send(exc, attempt)
+            else:
+                if response.is_success:
+                    return response
+                failure = await self._failure_status(response, attempt)
+            await self._wait_to_retry(failure, attempt)
+
+    async def _wait_to_retry(self, failure: _Failure, attempt: int) -> None:
+        """Sleep before the next attempt, or raise the failure's error if there is none."""
+        if not failure.retry or attempt > self.config.max_retries:
+            raise failure.error
+        delay_s = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (attempt - 1))
+        if failure.retry_after_s is not None:
+            if failure.retry_after_s > self.config.backoff_max_s:
+                raise failure.error  # the server asks for a longer wait than this client will do
+            delay_s = max(delay_s, failure.retry_after_s)
+        logger.warning(
+            "model %r at %s: attempt %d failed (%s); retrying in %.3gs",
+            self.config.model, self.config.endpoint, attempt, failure.error.detail or failure.error, delay_s,
+        )
+        await trio.sleep(delay_s)
+
+    def _headers(self, accept: str) -> dict[str, str]:
+        headers = {"Accept": accept}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
+
+    def _failure_to_send(self, exc: httpx.RequestError, attempt: int) -> _Failure:
+        """Errors before any response: the server has produced nothing, so retrying is safe."""
+        model, detail = self.config.model, self._detail(exc)
+        if isinstance(exc, httpx.ConnectTimeout):
+            error = ModelTimeout(model, "a connection", self.config.connect_timeout_s, detail=detail, attempts=attempt)
+            return _Failure(error, retry=True)
+        if isinstance(exc, httpx.TimeoutException):
+            # The server took the request and is slow to answer it; asking again would only add load.
+            error = ModelTimeout(model, "the answer to start", self.config.read_timeout_s, detail=detail, attempts=attempt)
+            return _Failure(error, retry=False)
+        if isinstance(exc, httpx.ConnectError):
+            return _Failure(ModelUnavailable(model, "could not connect to the model server", detail=detail, attempts=attempt), retry=True)
+        if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
+            reason = "the connection broke before the answer started"
+            return _Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)
+        return _Failure(ModelUnavailable(model, "the request could not be sent", detail=detail, attempts=attempt), retry=False)
+
+    async def _failure_status(self, response: httpx.Response, attempt: int) -> _Failure:
+        model, status = self.config.model, response.status_code
+        try:
+            body = await response.aread()
+        except httpx.RequestError as exc:
+            body = f"(the error body could not be read: {type(exc).__name__})".encode()
+        finally:
+            await response.aclose()
+        detail = self._scrub(f"HTTP {status}: {body[:_DETAIL_CHARS].decode('utf-8', 'replace')}")
+        retry_after_s = _retry_after_s(response.headers.get("retry-after"))
+        if status == 429:
+            error: ModelError = ModelRateLimited(model, retry_after_s=retry_after_s, detail=detail, attempts=attempt)
+            return _Failure(error, retry=True, retry_after_s=retry_after_s)
+        if status >= 500:
+            error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
+            return _Failure(error, retry=True, retry_after_s=retry_after_s)
+        if status >= 400:
+            return _Failure(ModelRejected(model, status, detail=detail, attempts=attempt), retry=False)
+        error = ModelBadResponse(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
+        return _Failure(error, retry=False)
+
+    async def _read_json(self, response: httpx.Response) -> Any:
+        try:
+            raw = await response.aread()
+        except httpx.RequestError as exc:
+            raise self._broken_answer(exc) from exc
+        finally:
+            await response.aclose()
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            detail = raw[:_DETAIL_CHARS].decode("utf-8", "replace")
+            raise ModelBadResponse(self.config.model, "the body is not JSON", detail=detail) from exc
+
+    def _broken_answer(self, exc: httpx.RequestError) -> ModelError:
+        """The error for a failure after the server answered 2xx: never retried."""
+        model, detail = self.config.model, self._detail(exc)
+        if isinstance(exc, httpx.TimeoutException):
+            return ModelTimeout(model, "the rest of the answer", self.config.read_timeout_s, detail=detail)
+        if isinstance(exc, httpx.DecodingError):
+            return ModelBadResponse(model, "the body could not be decoded", detail=detail)
+        return ModelUnavailable(model, "the connection broke in the middle of the answer", detail=detail)
+
+    def _detail(self, exc: Exception) -> str:
+        return self._scrub(f"{type(exc).__name__}: {exc}")
+
+    def _scrub(self, text: str) -> str:
+        # Some servers echo the key they refused; logs should not keep it either.
+        return text.replace(self.config.api_key, "[api key]") if self.config.api_key else text
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """Retry-After in seconds; the HTTP-date form is rare from model servers and is ignored."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
+
+
+@attrs.define(eq=False)
+class ChatStream:
+    """One streamed answer. Use it once, as ``async with client.stream(request) as chunks:``."""
+
+    _client: ModelClient = attrs.field(alias="client")
+    _request: ChatRequest = attrs.field(alias="request")
+    _response: httpx.Response | None = attrs.field(init=False, default=None)
+    _lines: AsyncIterator[str] | None = attrs.field(init=False, default=None)
+    _assembler: StreamAssembler = attrs.field(init=False)
+    _pending: deque[Delta] = attrs.field(init=False, factory=deque)
+    _entered: bool = attrs.field(init=False, default=False)
+    _lines_ended: bool = attrs.field(init=False, default=False)
+
+    @_assembler.default
+    def _new_assembler(self) -> StreamAssembler:
+        return StreamAssembler(self._client.config.model)
+
+    async def __aenter__(self) -> ChatStream:
+        if self._entered:
+            raise RuntimeError("A ChatStream is read once; call client.stream(request) again for another answer.")
+        self._entered = True
+        body = request_body(self._request, model=self._client.config.model, stream=True)
+        self._response = await self._client._open("POST", "chat/completions", body, accept="text/event-stream")
+        self._lines = self._response.aiter_lines()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if self._lines is not None and not self._lines_ended:
+                await self._abandon_lines()
+        finally:
+            if self._response is not None:
+                await self._response.aclose()
+
+    async def _abandon_lines(self) -> None:
+        """Unwind httpx's reader, which is a stack of async generators that each need closing.
+
+        Closing only the outermost would leave the inner ones for the garbage collector (which
+        trio rightly warns about). Resumed inside an already-cancelled scope, the reader gets
+        through what is buffered and then meets trio.Cancelled at its next socket read, deep
+        inside; that exception, caught by this scope alone, closes every generator on its way
+        out. It ends without waiting on the network.
+        """
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            try:
+                while await self._read_line() is not None:
+                    pass
+            except ModelError:
+                pass  # the caller has left this stream; how its last bytes failed is no one's concern
+
+    def __aiter__(self) -> ChatStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._lines is None:
+            raise RuntimeError("Read a ChatStream inside 'async with client.stream(request) as chunks:'.")
+        while not self._pending:
+            if self._assembler.done:
+                raise StopAsyncIteration
+            line = await self._read_line()
+            self._pending.extend(self._assembler.end_of_stream() if line is None else self._assembler.feed_line(line))
+        return self._pending.popleft()
+
+    async def _read_line(self) -> str | None:
+        """The next line of the body, or None at its end."""
+        assert self._lines is not None, "only called once the response is open"
+        # Any exception out of the reader, trio.Cancelled included, means it has finished.
+        ended = True
+        try:
+            line = await anext(self._lines)
+            ended = False
+            return line
+        except StopAsyncIteration:
+            return None
+        except httpx.RequestError as exc:
+            raise self._client._broken_answer(exc) from exc
+        finally:
+            self._lines_ended = ended
+
+    def completion(self) -> Completion:
+        """The whole answer; RuntimeError until the stream has been read to its end."""
+        return self._assembler.completion()
+
+    def partial_message(self) -> Message:
+        """What has arrived so far, as an assistant message marked ``partial`` unless complete."""
+        return self._assembler.partial_message()

@@ -1,0 +1,90 @@
+"""The model client's errors. Each names the model it is about.
+
+ModelError
+├── ModelUnavailable   the server could not be reached, the connection broke, or it kept answering 5xx
+├── ModelRateLimited   the server kept answering HTTP 429
+├── ModelTimeout       nothing arrived within the connect or read timeout
+├── ModelRejected      the server refused this request (HTTP 4xx other than 429): bad request, key, model
+└── ModelBadResponse   the server answered 2xx with something that is not a chat completion
+
+``str(error)`` is safe to show an A2A client: it is built from the model name, the HTTP status and
+this module's own words, never from the API key, the server's URL or what the server said. What
+the server or the transport said is in ``error.detail``, for logs only.
+"""
+
+from __future__ import annotations
+
+# The meaning of the 4xx answers an OpenAI-compatible server gives, in words safe for a client.
+_REJECTIONS = {
+    400: "the request is malformed or does not fit the model",
+    401: "the API key was refused",
+    403: "the API key may not use this model",
+    404: "the model or the endpoint does not exist on the server",
+    408: "the server gave up waiting for the request",
+    413: "the request is too large",
+    422: "the request is malformed or does not fit the model",
+}
+
+
+class ModelError(Exception):
+    """Base class for every error the model client raises.
+
+    Attributes: ``model`` (the configured model name), ``detail`` (what the server or the transport
+    said; may hold provider text, so log it but never send it to a client), ``status`` (the HTTP
+    status, when there was one) and ``attempts`` (how many requests were sent).
+    """
+
+    def __init__(self, message: str, *, model: str, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.model = model
+        self.detail = detail
+        self.status = status
+        self.attempts = attempts
+
+
+def _after(attempts: int) -> str:
+    return f" (gave up after {attempts} attempts)" if attempts > 1 else ""
+
+
+class ModelUnavailable(ModelError):
+    def __init__(self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
+        super().__init__(
+            f"model {model!r} is unavailable: {reason}{_after(attempts)}",
+            model=model, detail=detail, status=status, attempts=attempts,
+        )
+
+
+class ModelRateLimited(ModelError):
+    def __init__(self, model: str, *, retry_after_s: float | None = None, detail: str = "", attempts: int = 1) -> None:
+        wait = f"; it asked to wait {retry_after_s:g}s before trying again" if retry_after_s is not None else ""
+        super().__init__(
+            f"model {model!r} is rate limited: the server answered HTTP 429{wait}{_after(attempts)}",
+            model=model, detail=detail, status=429, attempts=attempts,
+        )
+        self.retry_after_s = retry_after_s
+
+
+class ModelTimeout(ModelError):
+    def __init__(self, model: str, waiting_for: str, timeout_s: float, *, detail: str = "", attempts: int = 1) -> None:
+        super().__init__(
+            f"model {model!r} timed out: nothing arrived within {timeout_s:g}s while waiting for {waiting_for}{_after(attempts)}",
+            model=model, detail=detail, attempts=attempts,
+        )
+        self.timeout_s = timeout_s
+
+
+class ModelRejected(ModelError):
+    def __init__(self, model: str, status: int, *, detail: str = "", attempts: int = 1) -> None:
+        meaning = _REJECTIONS.get(status, "the server refused the request")
+        super().__init__(
+            f"model {model!r} rejected the request with HTTP {status}: {meaning}",
+            model=model, detail=detail, status=status, attempts=attempts,
+        )
+
+
+class ModelBadResponse(ModelError):
+    def __init__(self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
+        super().__init__(
+            f"model {model!r} sent an answer this client cannot read: {reason}",
+            model=model, detail=detail, status=status, attempts=attempts,
+        )

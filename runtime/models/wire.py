@@ -1,0 +1,142 @@
+"""The OpenAI chat-completions wire shapes, sans I/O: request bodies out, completions in.
+
+Tool-call arguments travel as the raw text the model produced, in both directions: a stored
+``ToolCall.arguments`` goes out as ``function.arguments`` unchanged and an answer's arguments come
+back unchanged (duplicate keys, key order and whitespace included). They are never parsed here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from persistence.transcript import Message, ToolCall
+from runtime.models.errors import ModelBadResponse
+from runtime.models.values import ChatRequest, Completion, ToolSpec, Usage
+
+
+def request_body(request: ChatRequest, *, model: str, stream: bool) -> dict[str, Any]:
+    """The JSON body of ``POST /chat/completions`` for ``request``.
+
+    Raises ValueError naming the message when the transcript cannot be sent (a tool result
+    that does not say which call it answers).
+    """
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [message_to_wire(index, message) for index, message in enumerate(request.messages)],
+        "stream": stream,
+    }
+    if stream:
+        # Without this, OpenAI-compatible servers leave token usage out of a streamed answer.
+        body["stream_options"] = {"include_usage": True}
+    if request.tools:
+        body["tools"] = [tool_to_wire(tool) for tool in request.tools]
+    if request.temperature is not None:
+        body["temperature"] = request.temperature
+    if request.max_tokens is not None:
+        body["max_tokens"] = request.max_tokens
+    return body
+
+
+def message_to_wire(index: int, message: Message) -> dict[str, Any]:
+    if message.role == "tool":
+        if not message.tool_call_id:
+            raise ValueError(
+                f"message {index} is a tool result without a tool_call_id; "
+                "it must name the tool call it answers"
+            )
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.text}
+    wire: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.name:
+        wire["name"] = message.name
+    if message.role == "assistant" and message.tool_calls:
+        # The API's own shape for an assistant turn that only calls tools is content: null.
+        wire["content"] = message.text or None
+        wire["tool_calls"] = [tool_call_to_wire(call) for call in message.tool_calls]
+    return wire
+
+
+def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+    }
+
+
+def parse_completion(data: object, *, model: str) -> Completion:
+    """The answer in a non-streamed response body; raises ModelBadResponse if it is not one."""
+    if not isinstance(data, dict):
+        raise ModelBadResponse(model, "the body is not a JSON object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ModelBadResponse(model, "the body has no choices")
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        raise ModelBadResponse(model, "the first choice has no message")
+    text = optional_str(message.get("content"), model=model, what="the message content")
+    calls = tuple(
+        tool_call_from_wire(index, call, model=model)
+        for index, call in enumerate(message.get("tool_calls") or ())
+    )
+    reason = optional_str(choices[0].get("finish_reason"), model=model, what="the finish reason")
+    return Completion(
+        message=Message(role="assistant", text=text, tool_calls=calls),
+        finish_reason=reason or inferred_finish_reason(calls),
+        usage=parse_usage(data.get("usage"), model=model),
+    )
+
+
+def tool_call_from_wire(index: int, call: object, *, model: str) -> ToolCall:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ModelBadResponse(model, f"tool call {index} is not a function call")
+    function = call["function"]
+    name = optional_str(function.get("name"), model=model, what=f"the name of tool call {index}")
+    if not name:
+        raise ModelBadResponse(model, f"tool call {index} has no name")
+    call_id = optional_str(call.get("id"), model=model, what=f"the id of tool call {index}")
+    arguments = arguments_text(function.get("arguments"), model=model, index=index)
+    return ToolCall(id=call_id or synthetic_call_id(index), name=name, arguments=arguments)
+
+
+def arguments_text(arguments: object, *, model: str, index: int) -> str:
+    """The raw arguments text. A server that sends an object instead of text leaves no raw text
+    to keep, so that object is the one thing this module serialises."""
+    if arguments is None or isinstance(arguments, str):
+        return arguments or ""
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+    raise ModelBadResponse(model, f"the arguments of tool call {index} are neither text nor an object")
+
+
+def synthetic_call_id(index: int) -> str:
+    # Some local servers leave the id out; a tool result still has to name the call it answers.
+    return f"call_{index}"
+
+
+def inferred_finish_reason(calls: tuple[ToolCall, ...]) -> str:
+    # Used only when a server ends an answer without saying why.
+    return "tool_calls" if calls else "stop"
+
+
+def parse_usage(usage: object, *, model: str) -> Usage | None:
+    if usage is None:
+        return None
+    if not isinstance(usage, dict):
+        raise ModelBadResponse(model, "the usage is not a JSON object")
+    counts = [usage.get(key, 0) for key in ("prompt_tokens", "completion_tokens")]
+    if not all(isinstance(count, int) and not isinstance(count, bool) for count in counts):
+        raise ModelBadResponse(model, "the token counts in the usage are not integers")
+    total = usage.get("total_tokens")
+    return Usage(counts[0], counts[1], total if isinstance(total, int) else counts[0] + counts[1])
+
+
+def optional_str(value: object, *, model: str, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ModelBadResponse(model, f"{what} is not text")
+    return value

@@ -1,0 +1,366 @@
+"""A fake OpenAI-compatible model server. It is a TEST DOUBLE: it answers from a script, not a model.
+
+It serves ``POST /v1/chat/completions`` (streamed as server-sent events, or in one body) and
+``GET /v1/models`` over real HTTP on loopback, with hypercorn on Trio. Each chat request takes
+the next item of ``script``: a ``Reply`` (text and/or tool calls, optionally slow or cut off
+mid-stream) or an ``ErrorReply`` (an HTTP error status with a body). When the script is empty
+the ``default`` item answers; with no default the request gets HTTP 500 saying so. Every request
+is recorded in ``received`` (``bodies`` holds the chat request bodies: what the model saw).
+
+In a test (``tests/conftest.py`` has the ``fake_model`` fixture)::
+
+    server = await nursery.start(FakeModel(script=[Reply(text="hello")]).serve)
+    client_config = ModelConfig(base_url=server.base_url)
+
+Standalone, for demos (one reply to every request, forever)::
+
+    python scripts/dev/fake_model.py --port 8000 --reply "The lease expired."
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
+
+import attrs
+import hypercorn
+import hypercorn.trio
+import trio
+
+DEFAULT_MODEL = "qwen3:4b-instruct"
+
+Scope = dict[str, Any]
+Event = dict[str, Any]
+Receive = Callable[[], Awaitable[Event]]
+Send = Callable[[Event], Awaitable[None]]
+
+
+@attrs.frozen
+class Call:
+    """A tool call the fake model makes; ``arguments`` goes out exactly as written."""
+
+    name: str
+    arguments: str = "{}"
+    id: str = ""  # "" gives call_<request>_<index>
+
+
+def _calls(calls: Iterable[Call]) -> tuple[Call, ...]:
+    return tuple(calls)
+
+
+@attrs.frozen
+class Reply:
+    """An answer. Streamed, its text and each call's arguments go out ``chunk_chars`` at a time.
+
+    ``delay_s`` passes before the response starts and ``gap_s`` between two streamed events.
+    ``fail_after_chunks=N`` drops the connection after N events (non-streamed: after half the body).
+    ``hang_after_chunks=N`` (streamed only) sends N events and then nothing, until the client leaves.
+    """
+
+    text: str = ""
+    tool_calls: tuple[Call, ...] = attrs.field(default=(), converter=_calls)
+    chunk_chars: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    delay_s: float = 0.0
+    gap_s: float = 0.0
+    fail_after_chunks: int | None = None
+    hang_after_chunks: int | None = None
+    finish_reason: str = ""  # "" gives "tool_calls" or "stop"
+    prompt_tokens: int = 12
+    completion_tokens: int = 8
+
+
+@attrs.frozen
+class ErrorReply:
+    """An HTTP error. An empty ``body`` gives an OpenAI-style error object."""
+
+    status: int = attrs.field(validator=[attrs.validators.ge(400), attrs.validators.le(599)])
+    body: str = ""
+    retry_after: str | None = None
+    delay_s: float = 0.0
+
+
+ScriptItem = Reply | ErrorReply
+
+
+@attrs.frozen
+class Received:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any  # the parsed JSON, or None when the body was empty or not JSON
+
+
+@attrs.define
+class _Exchange:
+    """One request in flight; ``complete`` turns true just before the last byte is sent."""
+
+    complete: bool = False
+
+
+def _script(items: Iterable[ScriptItem]) -> list[ScriptItem]:
+    return list(items)
+
+
+def _names(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
+
+
+@attrs.define(eq=False)
+class FakeModel:
+    script: list[ScriptItem] = attrs.field(factory=list, converter=_script)
+    default: ScriptItem | None = None
+    models: tuple[str, ...] = attrs.field(default=(DEFAULT_MODEL,), converter=_names)
+    api_key: str | None = None
+    received: list[Received] = attrs.field(init=False, factory=list)
+    disconnects: int = attrs.field(init=False, default=0)
+    base_url: str = attrs.field(init=False, default="")
+    _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
+
+    @property
+    def bodies(self) -> list[Any]:
+        """The body of every chat-completions request, in order."""
+        return [item.body for item in self.received if item.path == "/v1/chat/completions"]
+
+    async def serve(self, *, host: str = "127.0.0.1", port: int = 0, task_status: trio.TaskStatus[FakeModel] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; ``task_status.started(self)`` once listening, with ``base_url`` set."""
+        if self.base_url:
+            raise RuntimeError(f"This FakeModel is already serving at {self.base_url}; make another for a second server.")
+        config = hypercorn.Config()
+        config.bind = [f"{host}:{port}"]
+        config.loglevel = "WARNING"
+        async with trio.open_nursery() as nursery:
+            # The app speaks ASGI in plain dicts; hypercorn's TypedDicts describe the same shapes.
+            app = functools.partial(hypercorn.trio.serve, self._app, config)  # type: ignore[arg-type]
+            binds = await nursery.start(app)
+            self.base_url = f"{binds[0]}/v1"
+            task_status.started(self)
+
+    async def wait_disconnected(self, count: int = 1) -> None:
+        """Block until ``count`` clients in all have gone away before their answer was complete."""
+        while self.disconnects < count:
+            await self._changed.wait()
+
+    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        raw = await _read_body(receive)
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        body = _parse_json(raw)
+        self.received.append(Received(scope["method"], scope["path"], headers, body))
+        presented = headers.get("authorization", "").removeprefix("Bearer ")
+        if self.api_key is not None and presented != self.api_key:
+            # Like some hosted APIs, the refusal repeats the key it was given.
+            await _send_json(send, 401, _error(f"Incorrect API key provided: {presented}", "invalid_api_key"))
+        elif (scope["method"], scope["path"]) == ("GET", "/v1/models"):
+            await _send_json(send, 200, self._catalog())
+        elif (scope["method"], scope["path"]) == ("POST", "/v1/chat/completions"):
+            await self._chat(body, receive, send)
+        else:
+            await _send_json(send, 404, _error(f"no route for {scope['method']} {scope['path']}", "not_found"))
+
+    def _catalog(self) -> dict[str, Any]:
+        entries = [{"id": name, "object": "model", "created": 0, "owned_by": "keel-fake"} for name in self.models]
+        return {"object": "list", "data": entries}
+
+    async def _chat(self, request: Any, receive: Receive, send: Send) -> None:
+        if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
+            await _send_json(send, 400, _error("the body must be a JSON object with a list of messages", "invalid_request_error"))
+            return
+        if request.get("model") not in self.models:
+            message = f"model {json.dumps(request.get('model'))} not found, try pulling it first"
+            await _send_json(send, 404, _error(message, "not_found_error"))
+            return
+        item = self.script.pop(0) if self.script else self.default
+        exchange = _Exchange()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_disconnect, receive, exchange, nursery.cancel_scope)
+            await self._answer(item, request, send, exchange)
+            nursery.cancel_scope.cancel()
+
+    async def _watch_disconnect(self, receive: Receive, exchange: _Exchange, scope: trio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not exchange.complete:
+            self.disconnects += 1
+            self._changed.set()
+            self._changed = trio.Event()
+            scope.cancel()
+
+    async def _answer(self, item: ScriptItem | None, request: dict[str, Any], send: Send, exchange: _Exchange) -> None:
+        if item is None:
+            exchange.complete = True
+            message = "the fake model's script is empty and it has no default reply"
+            await _send_json(send, 500, _error(message, "server_error"))
+            return
+        await trio.sleep(item.delay_s)
+        if isinstance(item, ErrorReply):
+            exchange.complete = True
+            body = item.body or json.dumps(_error(f"scripted HTTP {item.status}", "scripted_error"))
+            extra = [(b"retry-after", item.retry_after.encode())] if item.retry_after is not None else []
+            await _send_bytes(send, item.status, body.encode(), "application/json", extra)
+            return
+        number = len(self.bodies)
+        if request.get("stream") is True:
+            stream_options = request.get("stream_options") or {}
+            usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+            await _send_stream(send, item, _chunks(item, request, number, usage=usage), exchange)
+        else:
+            await _send_whole(send, item, _completion(item, request, number), exchange)
+
+
+def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) -> Iterator[str]:
+    """The data of each server-sent event of a streamed answer, ``[DONE]`` last."""
+    head = {"id": f"chatcmpl-fake-{number}", "object": "chat.completion.chunk", "created": int(time.time()), "model": request["model"]}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        return json.dumps({**head, "choices": [choice]}, ensure_ascii=False)
+
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in _pieces(reply.text, reply.chunk_chars):
+        yield chunk({"content": piece})
+    for index, call in enumerate(reply.tool_calls):
+        function = {"name": call.name, "arguments": ""}
+        yield chunk({"tool_calls": [{"index": index, "id": _call_id(call, number, index), "type": "function", "function": function}]})
+        for piece in _pieces(call.arguments, reply.chunk_chars):
+            yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+    yield chunk({}, _finish_reason(reply))
+    if usage:
+        yield json.dumps({**head, "choices": [], "usage": _usage(reply)})
+    yield "[DONE]"
+
+
+def _completion(reply: Reply, request: dict[str, Any], number: int) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text or (None if reply.tool_calls else "")}
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": _call_id(call, number, index), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for index, call in enumerate(reply.tool_calls)
+        ]
+    return {
+        "id": f"chatcmpl-fake-{number}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request["model"],
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(reply)}],
+        "usage": _usage(reply),
+    }
+
+
+async def _send_stream(send: Send, reply: Reply, events: Iterator[str], exchange: _Exchange) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    data = list(events)
+    for sent, event in enumerate(data):
+        if sent == reply.fail_after_chunks:
+            return  # returning before the body is complete makes hypercorn drop the connection
+        if sent == reply.hang_after_chunks:
+            await trio.sleep_forever()  # a stalled model; ends when the client goes away
+        if sent and reply.gap_s:
+            await trio.sleep(reply.gap_s)
+        last = sent == len(data) - 1
+        exchange.complete = last
+        await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": not last})
+
+
+async def _send_whole(send: Send, reply: Reply, completion: dict[str, Any], exchange: _Exchange) -> None:
+    body = json.dumps(completion, ensure_ascii=False).encode()
+    if reply.fail_after_chunks is not None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body[: len(body) // 2], "more_body": True})
+        return  # the promised length never arrives
+    exchange.complete = True
+    await _send_bytes(send, 200, body, "application/json")
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[start : start + size] for start in range(0, len(text), size)]
+
+
+def _call_id(call: Call, number: int, index: int) -> str:
+    return call.id or f"call_{number}_{index}"
+
+
+def _finish_reason(reply: Reply) -> str:
+    return reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop")
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    total = reply.prompt_tokens + reply.completion_tokens
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens, "total_tokens": total}
+
+
+def _error(message: str, kind: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None
+
+
+async def _read_body(receive: Receive) -> bytes:
+    parts = []
+    while True:
+        event = await receive()
+        if event["type"] == "http.disconnect":
+            break
+        parts.append(event.get("body", b""))
+        if not event.get("more_body", False):
+            break
+    return b"".join(parts)
+
+
+async def _send_json(send: Send, status: int, data: dict[str, Any]) -> None:
+    await _send_bytes(send, status, json.dumps(data, ensure_ascii=False).encode(), "application/json")
+
+
+async def _send_bytes(send: Send, status: int, body: bytes, content_type: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        event = await receive()
+        if event["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif event["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _serve_forever(fake: FakeModel, host: str, port: int) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(fake.serve, host=host, port=port))
+        print(f"fake model (a test double) serving {fake.base_url} with models {', '.join(fake.models)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="A fake OpenAI-compatible model server (a test double) that gives one reply to every request.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port; the URL is printed")
+    parser.add_argument("--reply", default="This is the fake model answering.", help="the text of every answer")
+    parser.add_argument("--model", action="append", help=f"a model id in the catalog (repeatable; default {DEFAULT_MODEL})")
+    parser.add_argument("--api-key", default=None, help="require this Bearer key")
+    parser.add_argument("--gap-s", type=float, default=0.02, help="seconds between streamed chunks")
+    args = parser.parse_args(argv)
+    fake = FakeModel(default=Reply(text=args.reply, gap_s=args.gap_s), models=tuple(args.model or [DEFAULT_MODEL]), api_key=args.api_key)
+    try:
+        trio.run(_serve_forever, fake, args.host, args.port)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a demo server is meant to stop
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""The OpenAI-compatible model client, through real httpx against the fake model server on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+import trio.testing
+from fake_model import Call, ErrorReply, FakeModel, Reply
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from persistence.transcript import Message, ToolCall
+from runtime.models import (
+    ChatRequest,
+    Completion,
+    Delta,
+    Finish,
+    ModelBadResponse,
+    ModelClient,
+    ModelConfig,
+    ModelRateLimited,
+    ModelRejected,
+    ModelTimeout,
+    ModelUnavailable,
+    TextDelta,
+    ToolCallDelta,
+    ToolSpec,
+    Usage,
+    open_model_client,
+    request_body,
+)
+from runtime.models.assembly import StreamAssembler
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 10.0  # generous: every wait in these tests is on loopback
+ASK = ChatRequest([Message(role="user", text="Which service holds the vault lease?")])
+# Duplicate keys and odd whitespace, and an escape the model wrote that must stay an escape.
+ODD_ARGUMENTS = '{"z":1,"query":"vault","z":3}'
+ODDER_ARGUMENTS = '{ "path" :\t"vault.go" ,\n  "note": "caf\\u00e9 \u2615"  }'
+
+
+def config_for(server: FakeModel, **changes: Any) -> ModelConfig:
+    """Retries back off for a millisecond, so retry tests do not wait on the wall clock."""
+    return ModelConfig(base_url=server.base_url, backoff_base_s=0.001, backoff_max_s=0.01, **changes)
+
+
+async def read_stream(client: ModelClient, request: ChatRequest = ASK) -> tuple[list[Delta], Completion]:
+    async with client.stream(request) as chunks:
+        deltas = [delta async for delta in chunks]
+    return deltas, chunks.completion()
+
+
+def closed_port_url() -> str:
+    """A loopback URL where nothing listens: the port was bound to find it free, then released."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+@attrs.define(eq=False)
+class RefusesFirstConnections(httpx.AsyncBaseTransport):
+    """A real transport that fails its first ``refusals`` connections the way a down server does."""
+
+    refusals: int
+    attempts: int = 0
+    inner: httpx.AsyncHTTPTransport = attrs.Factory(httpx.AsyncHTTPTransport)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.attempts += 1
+        if self.attempts <= self.refusals:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_stream_assembles_text_in_the_order_it_was_sent(fake_model: FakeModel) -> None:
+    text = "The vault lease expired at 03:12 UTC; renew it with `vault lease renew`."
+    fake_model.script = [Reply(text=text, chunk_chars=3)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            deltas, completion = await read_stream(client)
+    texts = [delta.text for delta in deltas if isinstance(delta, TextDelta)]
+    assert len(texts) > 1
+    assert "".join(texts) == text
+    assert Finish("stop") in deltas
+    assert completion.message == Message(role="assistant", text=text)
+    assert completion.finish_reason == "stop"
+
+
+async def test_stream_assembles_tool_call_arguments_byte_for_byte(fake_model: FakeModel) -> None:
+    calls = [Call("search", ODD_ARGUMENTS), Call("read_file", ODDER_ARGUMENTS)]
+    fake_model.script = [Reply(text="Looking.", tool_calls=calls, chunk_chars=5)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            deltas, completion = await read_stream(client)
+    fragments = [delta for delta in deltas if isinstance(delta, ToolCallDelta)]
+    assert "".join(f.arguments for f in fragments if f.index == 1) == ODDER_ARGUMENTS
+    assembled = [delta for delta in deltas if isinstance(delta, ToolCall)]
+    assert [(call.name, call.arguments) for call in assembled] == [("search", ODD_ARGUMENTS), ("read_file", ODDER_ARGUMENTS)]
+    assert len({call.id for call in assembled}) == 2
+    assert deltas.index(Finish("tool_calls")) > max(deltas.index(call) for call in assembled)
+    assert completion.message.tool_calls == tuple(assembled)
+    assert completion.message.text == "Looking."
+
+
+async def test_complete_returns_text_tool_calls_and_usage_in_one_piece(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="One call.", tool_calls=[Call("search", ODDER_ARGUMENTS, id="call_a")], prompt_tokens=40, completion_tokens=6)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            completion = await client.complete(ASK)
+    assert completion.message == Message(role="assistant", text="One call.", tool_calls=[ToolCall("call_a", "search", ODDER_ARGUMENTS)])
+    assert completion.finish_reason == "tool_calls"
+    assert completion.usage == Usage(40, 6, 46)
+    assert fake_model.bodies[0]["stream"] is False
+    assert "stream_options" not in fake_model.bodies[0]
+
+
+async def test_stream_asks_for_usage_and_reports_it(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="Counted.", prompt_tokens=31, completion_tokens=9)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            deltas, completion = await read_stream(client)
+    assert fake_model.bodies[0]["stream_options"] == {"include_usage": True}
+    assert [delta for delta in deltas if isinstance(delta, Usage)] == [Usage(31, 9, 40)]
+    assert completion.usage == Usage(31, 9, 40)
+
+
+def test_request_body_carries_roles_tool_calls_and_raw_arguments() -> None:
+    schema = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
+    request = ChatRequest(
+        messages=[
+            Message(role="system", text="You are on call."),
+            Message(role="user", text="Is the vault up?"),
+            Message(role="assistant", tool_calls=[ToolCall("call_1", "search", ODD_ARGUMENTS)]),
+            Message(role="tool", text="vault: 3 incidents", tool_call_id="call_1", name="search"),
+            Message(role="assistant", text="It is degraded."),
+        ],
+        tools=[ToolSpec("search", "Search the incident log.", schema)],
+        temperature=0.2,
+        max_tokens=256,
+    )
+    assert request_body(request, model="qwen3:4b-instruct", stream=True) == {
+        "model": "qwen3:4b-instruct",
+        "messages": [
+            {"role": "system", "content": "You are on call."},
+            {"role": "user", "content": "Is the vault up?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "search", "arguments": ODD_ARGUMENTS}}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "vault: 3 incidents"},
+            {"role": "assistant", "content": "It is degraded."},
+        ],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "tools": [{"type": "function", "function": {"name": "search", "description": "Search the incident log.", "parameters": schema}}],
+        "temperature": 0.2,
+        "max_tokens": 256,
+    }
+
+
+def test_request_body_refuses_a_tool_result_that_names_no_call() -> None:
+    request = ChatRequest([Message(role="user", text="hi"), Message(role="tool", text="result")])
+    with pytest.raises(ValueError, match="message 1 is a tool result without a tool_call_id"):
+        request_body(request, model="m", stream=False)
+
+
+def test_request_values_refuse_what_the_api_would_refuse() -> None:
+    with pytest.raises(ValueError, match="at least one message"):
+        ChatRequest([])
+    with pytest.raises(ValueError, match="tool name 'read file'"):
+        ToolSpec("read file", "Reads a file.")
+
+
+async def test_model_sees_stored_tool_arguments_exactly_as_they_were_stored(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="ok")]
+    transcript = [
+        Message(role="user", text="Find it."),
+        Message(role="assistant", tool_calls=[ToolCall("call_9", "read_file", ODDER_ARGUMENTS)]),
+        Message(role="tool", text="found", tool_call_id="call_9"),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            await client.complete(ChatRequest(transcript))
+    sent = fake_model.bodies[0]["messages"]
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == ODDER_ARGUMENTS
+    assert sent[2] == {"role": "tool", "tool_call_id": "call_9", "content": "found"}
+
+
+async def test_rate_limit_is_retried_then_succeeds(fake_model: FakeModel) -> None:
+    fake_model.script = [ErrorReply(429, retry_after="0"), Reply(text="after the limit")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            completion = await client.complete(ASK)
+    assert completion.message.text == "after the limit"
+    assert len(fake_model.bodies) == 2
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+async def test_server_error_is_retried_then_a_stream_succeeds(fake_model: FakeModel, status: int) -> None:
+    fake_model.script = [ErrorReply(status), ErrorReply(status), Reply(text="back again")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=2)) as client:
+            _, completion = await read_stream(client)
+    assert completion.message.text == "back again"
+    assert len(fake_model.bodies) == 3
+
+
+async def test_connect_error_is_retried_then_succeeds(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="connected")]
+    transport = RefusesFirstConnections(refusals=2)
+    with trio.fail_after(DEADLINE_S):
+        async with httpx.AsyncClient(transport=transport) as http:
+            completion = await ModelClient(config_for(fake_model, max_retries=2), http).complete(ASK)
+    assert completion.message.text == "connected"
+    assert transport.attempts == 3
+    assert len(fake_model.bodies) == 1
+
+
+@pytest.mark.parametrize(("status", "error"), [(429, ModelRateLimited), (500, ModelUnavailable)])
+async def test_retries_are_bounded_and_end_in_a_typed_error(fake_model: FakeModel, status: int, error: type[Exception]) -> None:
+    fake_model.default = ErrorReply(status)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=2)) as client:
+            with pytest.raises(error, match="gave up after 3 attempts") as raised:
+                await client.complete(ASK)
+    assert len(fake_model.bodies) == 3
+    assert raised.value.status == status  # type: ignore[attr-defined]  # every ModelError has a status
+
+
+async def test_connection_refused_ends_in_model_unavailable_after_bounded_retries() -> None:
+    config = ModelConfig(base_url=closed_port_url(), max_retries=2, backoff_base_s=0.001, backoff_max_s=0.01)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config) as client:
+            with pytest.raises(ModelUnavailable, match="could not connect") as raised:
+                await client.complete(ASK)
+    assert raised.value.attempts == 3
+
+
+async def test_rejected_request_is_not_retried(fake_model: FakeModel) -> None:
+    fake_model.default = ErrorReply(400, body='{"error": {"message": "context length exceeded"}}')
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelRejected, match="HTTP 400") as raised:
+                await client.complete(ASK)
+    assert len(fake_model.bodies) == 1
+    assert "context length exceeded" in raised.value.detail
+
+
+async def test_model_missing_from_the_server_is_rejected_as_not_found(fake_model: FakeModel) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, model="mistral:7b")) as client:
+            with pytest.raises(ModelRejected, match="'mistral:7b' rejected the request with HTTP 404"):
+                await client.complete(ASK)
+
+
+async def test_rate_limit_asking_for_a_longer_wait_than_the_backoff_cap_is_not_waited_for(fake_model: FakeModel) -> None:
+    fake_model.default = ErrorReply(429, retry_after="3600")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelRateLimited, match="asked to wait 3600s") as raised:
+                await client.complete(ASK)
+    assert raised.value.retry_after_s == 3600
+    assert len(fake_model.bodies) == 1
+
+
+async def test_stream_is_never_retried_after_its_first_byte(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="half an answer, then silence", chunk_chars=4, fail_after_chunks=3), Reply(text="a second answer")]
+    received: list[Delta] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=5)) as client:
+            with pytest.raises(ModelUnavailable, match="in the middle of the answer"):
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    assert received == [TextDelta("half"), TextDelta(" an ")]
+    assert len(fake_model.bodies) == 1
+    assert chunks.partial_message() == Message(role="assistant", text="half an ", partial=True)
+
+
+async def test_answer_cut_short_without_streaming_is_not_retried(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="never whole", fail_after_chunks=0), Reply(text="a second answer")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=5)) as client:
+            with pytest.raises(ModelUnavailable, match="in the middle of the answer"):
+                await client.complete(ASK)
+    assert len(fake_model.bodies) == 1
+
+
+async def test_error_messages_never_show_the_key_the_url_or_the_server_text(fake_model: FakeModel) -> None:
+    key = "sk-keel-secret-4471"
+    fake_model.api_key = key
+    port = fake_model.base_url.rsplit(":", 1)[1].split("/")[0]
+    fake_model.script = [ErrorReply(500, body="database password hunter2 rejected")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, api_key=key, max_retries=0)) as client:
+            with pytest.raises(ModelUnavailable) as server_error:
+                await client.complete(ASK)
+        wrong = "sk-wrong-key-0001"
+        async with open_model_client(config_for(fake_model, api_key=wrong)) as client:
+            with pytest.raises(ModelRejected, match="the API key was refused") as key_error:
+                await client.complete(ASK)
+    assert "hunter2" in server_error.value.detail
+    assert "Incorrect API key provided: [api key]" in key_error.value.detail
+    for error, secret in ((server_error.value, key), (key_error.value, wrong)):
+        message = str(error)
+        for leak in (secret, "hunter2", "Incorrect API key", port, "127.0.0.1"):
+            assert leak not in message
+        assert secret not in error.detail
+    assert key not in repr(config_for(fake_model, api_key=key))
+
+
+async def test_bearer_key_is_sent_with_every_request(fake_model: FakeModel) -> None:
+    fake_model.api_key = "sk-keel-secret-4471"
+    fake_model.script = [Reply(text="authorised")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, api_key="sk-keel-secret-4471")) as client:
+            assert (await client.complete(ASK)).message.text == "authorised"
+            assert await client.has_model()
+    assert {item.headers["authorization"] for item in fake_model.received} == {"Bearer sk-keel-secret-4471"}
+
+
+async def test_has_model_answers_from_the_catalog(fake_model: FakeModel) -> None:
+    fake_model.models = ("qwen3:4b-instruct", "nomic-embed-text:latest")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            assert await client.list_models() == ("qwen3:4b-instruct", "nomic-embed-text:latest")
+            assert await client.has_model() is True
+            assert await client.has_model("nomic-embed-text") is True
+            assert await client.has_model("mistral:7b") is False
+    assert fake_model.bodies == []  # a readiness check runs no inference
+
+
+async def test_has_model_raises_when_the_server_cannot_be_reached() -> None:
+    config = ModelConfig(base_url=closed_port_url(), max_retries=0)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config) as client:
+            with pytest.raises(ModelUnavailable, match="could not connect"):
+                await client.has_model()
+
+
+async def test_cancelling_mid_stream_closes_the_connection_promptly(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="The lease", chunk_chars=32, hang_after_chunks=2)]
+    got_text = trio.Event()
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            async with trio.open_nursery() as nursery:
+
+                async def read() -> None:
+                    async with client.stream(ASK) as chunks:
+                        async for delta in chunks:
+                            if isinstance(delta, TextDelta):
+                                got_text.set()
+                    pytest.fail("the stream ended although the model never finished")
+
+                nursery.start_soon(read)
+                await got_text.wait()
+                await trio.testing.wait_all_tasks_blocked()  # the reader is blocked on the socket
+                cancelled_at = trio.current_time()
+                nursery.cancel_scope.cancel()
+            assert trio.current_time() - cancelled_at < 1.0
+            await fake_model.wait_disconnected()
+
+
+async def test_leaving_a_stream_early_closes_the_connection_without_waiting_for_the_model(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="The lease", chunk_chars=32, hang_after_chunks=2)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            async with client.stream(ASK) as chunks:
+                async for delta in chunks:
+                    if isinstance(delta, TextDelta):
+                        left_at = trio.current_time()
+                        break
+            assert trio.current_time() - left_at < 1.0
+            await fake_model.wait_disconnected()
+    assert chunks.partial_message() == Message(role="assistant", text="The lease", partial=True)
+
+
+async def test_slow_answer_times_out_and_is_not_retried(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="too late", delay_s=60), Reply(text="a second answer")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=0.2)) as client:
+            with pytest.raises(ModelTimeout, match="within 0.2s while waiting for the answer to start"):
+                await client.complete(ASK)
+    assert len(fake_model.bodies) == 1
+
+
+async def test_stream_that_stalls_mid_answer_times_out(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="The lease", chunk_chars=32, hang_after_chunks=2), Reply(text="a second answer")]
+    received: list[Delta] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=0.2)) as client:
+            with pytest.raises(ModelTimeout, match="the rest of the answer"):
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    assert received == [TextDelta("The lease")]
+    assert len(fake_model.bodies) == 1
+
+
+async def test_stream_is_read_once(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="once")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            stream = client.stream(ASK)
+            async with stream as chunks:
+                assert [delta async for delta in chunks][0] == TextDelta("once")
+            with pytest.raises(RuntimeError, match="read once"):
+                async with stream:
+                    pass
+
+
+def sse(*events: object) -> list[str]:
+    lines = []
+    for event in events:
+        lines += [f"data: {event if isinstance(event, str) else json.dumps(event)}", ""]
+    return lines
+
+
+def tool_fragment(index: int, arguments: str, *, name: str = "") -> dict[str, Any]:
+    call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if name:
+        call.update(id=f"call_{name}", type="function")
+        call["function"]["name"] = name
+    return {"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+
+
+@settings(deadline=None)  # pure CPU; a slow CI machine is not a failure
+@given(arguments=st.text(), cuts=st.lists(st.integers(min_value=0, max_value=200)))
+def test_assembler_keeps_arguments_byte_for_byte_however_they_are_split(arguments: str, cuts: list[int]) -> None:
+    bounds = sorted({0, len(arguments), *(cut for cut in cuts if cut < len(arguments))})
+    pieces = [arguments[start:end] for start, end in zip(bounds, bounds[1:])]
+    finish = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+    events = [tool_fragment(0, "", name="search"), *(tool_fragment(0, piece) for piece in pieces), finish, "[DONE]"]
+    assembler = StreamAssembler("m")
+    for line in sse(*events):
+        assembler.feed_line(line)
+    assert assembler.done
+    assert assembler.completion().message.tool_calls == (ToolCall("call_search", "search", arguments),)
+
+
+def test_assembler_refuses_a_stream_that_ends_before_the_model_finished() -> None:
+    assembler = StreamAssembler("m")
+    for line in sse({"choices": [{"index": 0, "delta": {"content": "half"}}]}):
+        assembler.feed_line(line)
+    with pytest.raises(ModelBadResponse, match="ended before the model finished"):
+        assembler.end_of_stream()
+    assert assembler.partial_message() == Message(role="assistant", text="half", partial=True)
+
+
+def test_assembler_reports_an_error_event_without_repeating_its_text() -> None:
+    assembler = StreamAssembler("m")
+    with pytest.raises(ModelBadResponse) as raised:
+        for line in sse({"error": {"message": "CUDA out of memory at 0x7f00"}}):
+            assembler.feed_line(line)
+    assert "CUDA" not in str(raised.value)
+    assert "CUDA out of memory" in raised.value.detail
+
+
+async def test_fake_model_runs_standalone_and_answers_every_request(nursery: trio.Nursery) -> None:
+    command = [sys.executable, str(ROOT / "scripts/dev/fake_model.py"), "--port", "0", "--reply", "standing by", "--gap-s", "0"]
+    with trio.fail_after(DEADLINE_S):
+        process = await nursery.start(lambda task_status: trio.run_process(command, stdout=subprocess.PIPE, task_status=task_status))
+        banner = b""
+        while not banner.endswith(b"\n"):
+            chunk = await process.stdout.receive_some()
+            assert chunk, "the fake model exited before printing its URL"
+            banner += chunk
+        base_url = banner.decode().split("serving ", 1)[1].split()[0]
+        async with open_model_client(ModelConfig(base_url=base_url)) as client:
+            first = await client.complete(ASK)
+            _, second = await read_stream(client)
+    assert first.message.text == second.message.text == "standing by"
