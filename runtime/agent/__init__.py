@@ -1,0 +1,28 @@
+"""The agent loop: steps, steers, saves and tool calls. It knows no HTTP server."""
+
+from runtime.agent.errors import AgentError, BudgetExhausted, MaxStepsReached, RunFinished, SaveFailed
+from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
+from runtime.agent.loop import AgentRun, AgentSpec, Model, Result
+from runtime.agent.steers import STEER_LABEL
+from runtime.agent.tools import Tool
+
+__all__ = [
+    "STEER_LABEL",
+    "AgentError",
+    "AgentEvent",
+    "AgentRun",
+    "AgentSpec",
+    "BudgetExhausted",
+    "MaxStepsReached",
+    "Model",
+    "Result",
+    "RunFinished",
+    "SaveFailed",
+    "StepStarted",
+    "SteerApplied",
+    "TextDelta",
+    "Tool",
+    "ToolCalled",
+    "ToolResult",
+    "UsageReported",
+]

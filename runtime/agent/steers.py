@@ -1,0 +1,39 @@
+"""The in-memory half of steering: steers handed to a run while it holds no request."""
+
+from __future__ import annotations
+
+import attrs
+
+from runtime.agent.errors import RunFinished
+
+STEER_LABEL = "The user sent this while you were working:\n"
+
+
+@attrs.define(eq=False)
+class SteerBox:
+    """Steers given to a run with ``Run.steer``, each taken exactly once.
+
+    Once closed (the run has ended) a new steer is refused with RunFinished, and what was never
+    taken is handed back by ``close()``.
+    """
+
+    _pending: list[str] = attrs.field(init=False, factory=list)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    def add(self, text: str) -> None:
+        if self._closed:
+            raise RunFinished()
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("a steer must be non-empty text")
+        self._pending.append(text)
+
+    def take(self) -> list[str]:
+        taken, self._pending = self._pending, []
+        return taken
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def close(self) -> list[str]:
+        self._closed = True
+        return self.take()
