@@ -1,0 +1,142 @@
+"""JSON-RPC 2.0: parsing a request body, and building success and error responses.
+
+An error object carries the code from ``ERROR_CODES``. In 1.0 its ``data`` is an array of
+ProtoJSON ``Any`` objects (spec 1.0 §9.5): a ``google.rpc.ErrorInfo`` with the reason, plus a
+``google.rpc.BadRequest`` listing bad fields for -32602. In 0.3 ``data`` is null. -32700 and
+-32601 carry no ``data`` in either version. All of this matches the reference captures.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Union
+
+import attrs
+
+from protocol._json import JsonObject
+from protocol.errors import (
+    MISSING,
+    InvalidParams,
+    InvalidRequest,
+    ParseError,
+    ProtocolError,
+    describe,
+    error_code,
+)
+from protocol.versions import ProtocolVersion
+
+RequestId = Union[str, int, None]
+
+ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
+BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
+ERROR_DOMAIN = "a2a-protocol.org"
+
+
+@attrs.frozen
+class JsonRpcRequest:
+    """A well-formed request. ``id`` is None for a notification (no ``id`` member) or ``"id": null``."""
+
+    id: RequestId
+    method: str
+    params: JsonObject
+
+
+class RequestRejected(Exception):
+    """A body that is not a usable request: the error to send, and the id and method to send it
+    under (as far as they could be read; both None when the body was not even JSON)."""
+
+    def __init__(self, error: ProtocolError, request_id: RequestId = None, method: str | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.request_id = request_id
+        self.method = method
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_json(body: bytes | str) -> object:
+    """Parse standard JSON (no NaN or Infinity); raises ParseError with the parser's reason."""
+    try:
+        text = body.decode("utf-8") if isinstance(body, bytes) else body
+        return json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise ParseError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ParseError("nested too deeply") from None
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise ParseError(str(exc)) from None
+
+
+def parse_request(body: bytes | str) -> JsonRpcRequest:
+    """Parse one JSON-RPC request body.
+
+    Raises RequestRejected wrapping ParseError (-32700) for a body that is not JSON,
+    InvalidRequest (-32600) for JSON that is not a request (not an object, ``jsonrpc`` other
+    than "2.0", an id that is not a string, integer or null, no method), and InvalidParams
+    (-32602) for ``params`` that are not an object. Batches are not part of A2A.
+    """
+    try:
+        obj = load_json(body)
+    except ParseError as exc:
+        raise RequestRejected(exc) from None
+    if not isinstance(obj, dict):
+        what = "batch requests are not supported" if isinstance(obj, list) else "the body must be a JSON object"
+        raise RequestRejected(InvalidRequest(f"{what}, got {describe(obj)}"))
+    request_id = obj.get("id")
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int, type(None))):
+        raise RequestRejected(InvalidRequest(f"'id' must be a string, an integer or null, got {describe(request_id)}"))
+    method = obj.get("method", MISSING)
+    known_method = method if isinstance(method, str) and method else None
+    if obj.get("jsonrpc", MISSING) != "2.0":
+        error = InvalidRequest(f"'jsonrpc' must be exactly \"2.0\", got {describe(obj.get('jsonrpc', MISSING))}")
+        raise RequestRejected(error, request_id, known_method)
+    if known_method is None:
+        raise RequestRejected(
+            InvalidRequest(f"'method' must be a non-empty string, got {describe(method)}"), request_id
+        )
+    params = obj.get("params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise RequestRejected(InvalidParams("params", "an object", got=params), request_id, known_method)
+    return JsonRpcRequest(request_id, known_method, params)
+
+
+def success_response(request_id: RequestId, result: object) -> JsonObject:
+    """A response carrying ``result``, already encoded for the request's version."""
+    return {"jsonrpc": "2.0", "id": request_id, "result": result}
+
+
+def error_response(request_id: RequestId, error: ProtocolError, version: ProtocolVersion) -> JsonObject:
+    return {"jsonrpc": "2.0", "id": request_id, "error": error_object(error, version)}
+
+
+def error_object(error: ProtocolError, version: ProtocolVersion) -> JsonObject:
+    """The ``error`` member for ``error``: code from ERROR_CODES, our message, and ``data``."""
+    code = error_code(error)
+    obj: JsonObject = {"code": code.code, "message": error.message}
+    if code.reason is None:
+        return obj
+    if version is ProtocolVersion.V0_3:
+        obj["data"] = None
+        return obj
+    info: JsonObject = {"@type": ERROR_INFO_TYPE, "reason": code.reason, "domain": ERROR_DOMAIN, "metadata": {}}
+    data = [info]
+    violations = error.violations if isinstance(error, InvalidParams) else ()
+    if violations:
+        info["metadata"] = {"errors": [{"field": v.field, "message": v.description} for v in violations]}
+        fields = [{"field": v.field, "description": v.description} for v in violations]
+        data.append({"@type": BAD_REQUEST_TYPE, "fieldViolations": fields})
+    obj["data"] = data
+    return obj
+
+
+def encode_json(obj: object) -> bytes:
+    """Compact UTF-8 JSON for a response body or an SSE data line (it never contains a newline)."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate, which a client can send as "\ud800": escape it rather than fail.
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("ascii")

@@ -1,0 +1,197 @@
+"""The ``params`` of each A2A request, and the ListTasks result.
+
+Every ``from_json`` raises InvalidParams naming the bad field by its path in ``params``
+(``message.parts[0].text``, ``configuration.historyLength``). Fields Keel does not use, such
+as 1.0's ``tenant``, are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+
+import attrs
+
+from protocol._json import JsonObject, JsonReader, compact, format_timestamp, str_tuple
+from protocol.messages import Message
+from protocol.states import TaskState
+from protocol.tasks import Task
+from protocol.versions import ProtocolVersion
+
+V1 = ProtocolVersion.V1_0
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 100
+
+
+@attrs.frozen(kw_only=True)
+class SendConfiguration:
+    accepted_output_modes: tuple[str, ...] = attrs.field(default=(), converter=str_tuple)
+    history_length: int | None = None
+    return_immediately: bool = False
+    """1.0 ``returnImmediately``; 0.3 said ``blocking`` (the opposite). Both default to blocking."""
+    push_notification_config: JsonObject | None = None
+    """Kept as sent (1.0 ``taskPushNotificationConfig``, 0.3 ``pushNotificationConfig``)."""
+
+    @classmethod
+    def from_json(cls, reader: JsonReader, version: ProtocolVersion) -> SendConfiguration:
+        if version is V1:
+            return_immediately = reader.flag("returnImmediately")
+            push = reader.opt_object("taskPushNotificationConfig")
+        else:
+            blocking = reader.opt_bool("blocking")
+            return_immediately = blocking is False
+            push = reader.opt_object("pushNotificationConfig")
+        return cls(
+            accepted_output_modes=reader.strings("acceptedOutputModes"),
+            history_length=reader.opt_int("historyLength", minimum=0),
+            return_immediately=return_immediately,
+            push_notification_config=push,
+        )
+
+    def to_json(self, version: ProtocolVersion) -> JsonObject:
+        mode: list[tuple[str, object]]
+        if version is V1:
+            mode = [("returnImmediately", self.return_immediately or None)]
+            push = [("taskPushNotificationConfig", self.push_notification_config)]
+        else:
+            mode = [("blocking", False if self.return_immediately else None)]
+            push = [("pushNotificationConfig", self.push_notification_config)]
+        modes = [("acceptedOutputModes", list(self.accepted_output_modes)), ("historyLength", self.history_length)]
+        return compact([*modes, *push, *mode])
+
+
+@attrs.frozen(kw_only=True)
+class SendMessageParams:
+    """SendMessage / SendStreamingMessage (1.0), message/send / message/stream (0.3)."""
+
+    message: Message
+    configuration: SendConfiguration = SendConfiguration()
+    metadata: JsonObject | None = None
+
+    @classmethod
+    def from_json(cls, params: object, version: ProtocolVersion) -> SendMessageParams:
+        reader = JsonReader.of(params, "")
+        configuration = reader.opt_child("configuration")
+        return cls(
+            message=Message.from_json(reader.value("message"), version, "message"),
+            configuration=SendConfiguration()
+            if configuration is None
+            else SendConfiguration.from_json(configuration, version),
+            metadata=reader.opt_object("metadata"),
+        )
+
+    def to_json(self, version: ProtocolVersion) -> JsonObject:
+        configuration = self.configuration.to_json(version)
+        return compact(
+            [("message", self.message.to_json(version)), ("configuration", configuration), ("metadata", self.metadata)]
+        )
+
+
+@attrs.frozen(kw_only=True)
+class TaskQueryParams:
+    """GetTask / tasks/get: which task, and how much of its history to return."""
+
+    id: str
+    history_length: int | None = None
+    metadata: JsonObject | None = None
+
+    @classmethod
+    def from_json(cls, params: object, version: ProtocolVersion) -> TaskQueryParams:
+        reader = JsonReader.of(params, "")
+        return cls(
+            id=reader.string("id"),
+            history_length=reader.opt_int("historyLength", minimum=0),
+            metadata=reader.opt_object("metadata"),
+        )
+
+    def to_json(self, version: ProtocolVersion) -> JsonObject:
+        return compact([("id", self.id), ("historyLength", self.history_length), ("metadata", self.metadata)])
+
+
+@attrs.frozen(kw_only=True)
+class TaskIdParams:
+    """CancelTask, SubscribeToTask (1.0); tasks/cancel, tasks/resubscribe (0.3)."""
+
+    id: str
+    metadata: JsonObject | None = None
+
+    @classmethod
+    def from_json(cls, params: object, version: ProtocolVersion) -> TaskIdParams:
+        reader = JsonReader.of(params, "")
+        return cls(id=reader.string("id"), metadata=reader.opt_object("metadata"))
+
+    def to_json(self, version: ProtocolVersion) -> JsonObject:
+        return compact([("id", self.id), ("metadata", self.metadata)])
+
+
+@attrs.frozen(kw_only=True)
+class ListTasksParams:
+    """ListTasks (1.0 only). ``page_size`` None means DEFAULT_PAGE_SIZE."""
+
+    context_id: str | None = None
+    status: TaskState | None = None
+    page_size: int | None = None
+    page_token: str | None = None
+    history_length: int | None = None
+    status_timestamp_after: datetime | None = None
+    include_artifacts: bool = False
+
+    @classmethod
+    def from_json(cls, params: object, version: ProtocolVersion) -> ListTasksParams:
+        reader = JsonReader.of(params, "")
+        status = reader.value("status")
+        return cls(
+            context_id=reader.opt_string("contextId"),
+            status=None if not reader.has("status") else TaskState.from_wire(status, version, field="status"),
+            page_size=reader.opt_int("pageSize", minimum=1, maximum=MAX_PAGE_SIZE),
+            page_token=reader.opt_string("pageToken"),
+            history_length=reader.opt_int("historyLength", minimum=0),
+            status_timestamp_after=reader.opt_timestamp("statusTimestampAfter"),
+            include_artifacts=reader.flag("includeArtifacts"),
+        )
+
+    def to_json(self, version: ProtocolVersion) -> JsonObject:
+        after = self.status_timestamp_after
+        return compact(
+            [
+                ("contextId", self.context_id),
+                ("status", None if self.status is None else self.status.wire_name(version)),
+                ("pageSize", self.page_size),
+                ("pageToken", self.page_token),
+                ("historyLength", self.history_length),
+                ("statusTimestampAfter", None if after is None else format_timestamp(after)),
+                ("includeArtifacts", self.include_artifacts or None),
+            ]
+        )
+
+
+def _tasks(value: Iterable[Task]) -> tuple[Task, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class ListTasksResult:
+    """One page of tasks; ``next_page_token`` is "" on the last page and always sent (§3.1.4)."""
+
+    tasks: tuple[Task, ...] = attrs.field(converter=_tasks)
+    next_page_token: str
+    page_size: int
+    total_size: int
+
+    @classmethod
+    def from_json(cls, obj: object, version: ProtocolVersion, path: str = "result") -> ListTasksResult:
+        reader = JsonReader.of(obj, path)
+        return cls(
+            tasks=[Task.from_json(item, version, at) for at, item in reader.items("tasks")],
+            next_page_token=reader.opt_string("nextPageToken") or "",
+            page_size=reader.opt_int("pageSize", minimum=0) or 0,
+            total_size=reader.opt_int("totalSize", minimum=0) or 0,
+        )
+
+    def to_json(self, version: ProtocolVersion) -> JsonObject:
+        return {
+            "tasks": [task.to_json(version) for task in self.tasks],
+            "nextPageToken": self.next_page_token,
+            "pageSize": self.page_size,
+            "totalSize": self.total_size,
+        }

@@ -1,0 +1,117 @@
+"""Server-sent events: framing JSON-RPC responses as events, and an incremental parser.
+
+A2A streams send each JSON-RPC response as one ``data:`` line followed by a blank line
+(spec 1.0 §9.4.2, wire/v1_stream.resp.txt). The parser follows the WHATWG event-stream rules
+(``data``, ``event``, ``id``, ``retry``, comments) and is fed bytes as they arrive, so a line
+or a UTF-8 character split across reads is handled.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+
+import attrs
+
+from protocol.jsonrpc import encode_json
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+CONTENT_TYPE = "text/event-stream; charset=utf-8"
+HEADERS = (("content-type", CONTENT_TYPE), ("cache-control", "no-store"), ("x-accel-buffering", "no"))
+"""Response headers for a stream, as the reference server sends them (no proxy buffering)."""
+
+
+def encode_event(response: object) -> bytes:
+    """One JSON-RPC response as an SSE event: ``data: {...}\\n\\n``."""
+    return b"data: " + encode_json(response) + b"\n\n"
+
+
+def encode_comment(text: str = "") -> bytes:
+    """A comment line, which clients ignore: a keep-alive that holds idle proxies open."""
+    if "\n" in text or "\r" in text:
+        raise ValueError("an SSE comment must fit on one line")
+    return b":" + (b" " + text.encode("utf-8") if text else b"") + b"\n\n"
+
+
+@attrs.frozen
+class SseEvent:
+    data: str
+    event: str = "message"
+    id: str | None = None
+    retry_ms: int | None = None
+
+
+@attrs.define(eq=False)
+class SseParser:
+    """Turns a byte stream into events; call ``feed`` with each chunk as it arrives."""
+
+    _decoder: codecs.IncrementalDecoder = attrs.field(
+        init=False, factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+    _buffer: str = attrs.field(init=False, default="")
+    _data: list[str] = attrs.field(init=False, factory=list)
+    _event: str = attrs.field(init=False, default="")
+    _last_id: str | None = attrs.field(init=False, default=None)
+    _retry_ms: int | None = attrs.field(init=False, default=None)
+    _started: bool = attrs.field(init=False, default=False)
+    _skip_lf: bool = attrs.field(init=False, default=False)
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """The events completed by ``chunk`` (often none, sometimes several)."""
+        text = self._decoder.decode(chunk)
+        if not self._started and text:
+            text = text.removeprefix("\ufeff")
+            self._started = True
+        self._buffer += text
+        events = []
+        for line in self._take_lines():
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def close(self) -> bool:
+        """Finish the stream; True when it ended cleanly, False when an event was left unfinished
+        (the spec discards it, and a client should treat the stream as cut short)."""
+        self._buffer += self._decoder.decode(b"", final=True)
+        return not self._buffer and not self._data and not self._event
+
+    def _take_lines(self) -> list[str]:
+        buffer = self._buffer
+        if self._skip_lf and buffer:
+            # The previous chunk ended in CR; an LF now is the second half of that CRLF.
+            buffer = buffer.removeprefix("\n")
+            self._skip_lf = False
+        lines = []
+        start = 0
+        for match in _LINE_END.finditer(buffer):
+            lines.append(buffer[start : match.start()])
+            start = match.end()
+            self._skip_lf = match.group() == "\r" and start == len(buffer)
+        self._buffer = buffer[start:]
+        return lines
+
+    def _line(self, line: str) -> SseEvent | None:
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id" and "\0" not in value:
+            self._last_id = value
+        elif name == "retry" and value.isdigit() and value.isascii():
+            self._retry_ms = int(value)
+        return None
+
+    def _dispatch(self) -> SseEvent | None:
+        data, event = self._data, self._event
+        self._data, self._event = [], ""
+        if not data:
+            return None
+        return SseEvent("\n".join(data), event or "message", self._last_id, self._retry_ms)

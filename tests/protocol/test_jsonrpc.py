@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from protocol import (
+    InvalidParams,
+    InvalidRequest,
+    JsonRpcRequest,
+    ParseError,
+    ProtocolError,
+    RequestRejected,
+    encode_json,
+    parse_request,
+    success_response,
+)
+
+
+def rejected(body: bytes | str) -> RequestRejected:
+    with pytest.raises(RequestRejected) as caught:
+        parse_request(body)
+    return caught.value
+
+
+def test_parse_request_reads_id_method_and_params() -> None:
+    body = b'{"jsonrpc":"2.0","id":"r-1","method":"GetTask","params":{"id":"t"}}'
+    assert parse_request(body) == JsonRpcRequest("r-1", "GetTask", {"id": "t"})
+
+
+def test_parse_request_without_params_gets_an_empty_object() -> None:
+    assert parse_request('{"jsonrpc":"2.0","id":40,"method":"agent/getAuthenticatedExtendedCard"}').params == {}
+    assert parse_request('{"jsonrpc":"2.0","id":1,"method":"m","params":null}').params == {}
+
+
+def test_parse_request_without_id_is_a_notification_with_id_none() -> None:
+    assert parse_request('{"jsonrpc":"2.0","method":"GetTask"}').id is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"jsonrpc":"2.0","id":19,"method":', b"", b"{'single': 1}", b'{"a": NaN}', b"\xff\xfe{}", b"[" * 100_000],
+)
+def test_parse_request_bad_json_is_a_parse_error_with_null_id(body: bytes) -> None:
+    rejection = rejected(body)
+    assert isinstance(rejection.error, ParseError)
+    assert rejection.request_id is None
+    assert rejection.error.message.startswith("request body is not valid JSON: ")
+
+
+def test_parse_request_parse_error_keeps_the_parser_reason() -> None:
+    assert rejected(b'{"jsonrpc":"2.0","id":19,"method":').error.message == (
+        "request body is not valid JSON: Expecting value: line 1 column 35 (char 34)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "request_id", "reason"),
+    [
+        ("[]", None, "batch requests are not supported, got an empty array"),
+        ('"hello"', None, "the body must be a JSON object, got string 'hello'"),
+        ('{"jsonrpc":"1.0","id":20,"method":"GetTask"}', 20, "'jsonrpc' must be exactly \"2.0\", got string '1.0'"),
+        ('{"id":"a","method":"GetTask"}', "a", "'jsonrpc' must be exactly \"2.0\", got nothing (the field is missing)"),
+        ('{"jsonrpc":2.0,"id":1,"method":"GetTask"}', 1, "'jsonrpc' must be exactly \"2.0\", got number 2.0"),
+        (
+            '{"jsonrpc":"2.0","id":1.5,"method":"GetTask"}',
+            None,
+            "'id' must be a string, an integer or null, got number 1.5",
+        ),
+        (
+            '{"jsonrpc":"2.0","id":true,"method":"GetTask"}',
+            None,
+            "'id' must be a string, an integer or null, got boolean true",
+        ),
+        (
+            '{"jsonrpc":"2.0","id":{},"method":"GetTask"}',
+            None,
+            "'id' must be a string, an integer or null, got an empty object",
+        ),
+        ('{"jsonrpc":"2.0","id":3}', 3, "'method' must be a non-empty string, got nothing (the field is missing)"),
+        ('{"jsonrpc":"2.0","id":3,"method":7}', 3, "'method' must be a non-empty string, got integer 7"),
+        ('{"jsonrpc":"2.0","id":3,"method":""}', 3, "'method' must be a non-empty string, got string ''"),
+    ],
+)
+def test_parse_request_malformed_request_is_invalid_request(body: str, request_id: object, reason: str) -> None:
+    rejection = rejected(body)
+    assert isinstance(rejection.error, InvalidRequest)
+    assert rejection.request_id == request_id
+    assert rejection.error.message == f"invalid JSON-RPC request: {reason}"
+
+
+def test_parse_request_rejection_keeps_the_method_for_choosing_the_encoding() -> None:
+    assert rejected('{"jsonrpc":"1.0","id":20,"method":"GetTask"}').method == "GetTask"
+
+
+def test_parse_request_params_that_are_not_an_object_are_invalid_params() -> None:
+    rejection = rejected('{"jsonrpc":"2.0","id":"x","method":"GetTask","params":["t-1"]}')
+    assert isinstance(rejection.error, InvalidParams)
+    assert (rejection.request_id, rejection.method) == ("x", "GetTask")
+    assert rejection.error.message == "invalid params: 'params' must be an object, got an array of 1 item"
+
+
+def test_parse_request_rejection_wraps_a_protocol_error_with_its_message() -> None:
+    rejection = rejected(b"{")
+    assert isinstance(rejection.error, ProtocolError)
+    assert str(rejection) == rejection.error.message
+
+
+def test_success_response_carries_the_result_and_id() -> None:
+    assert success_response("r", {"id": "t"}) == {"jsonrpc": "2.0", "id": "r", "result": {"id": "t"}}
+
+
+def test_encode_json_is_compact_utf8_without_newlines() -> None:
+    body = encode_json({"text": "line one\nline two é", "n": [1, 2]})
+    assert body == '{"text":"line one\\nline two é","n":[1,2]}'.encode()
+    assert json.loads(body) == {"text": "line one\nline two é", "n": [1, 2]}
+
+
+def test_encode_json_refuses_nan() -> None:
+    with pytest.raises(ValueError):
+        encode_json({"x": float("nan")})

@@ -1,0 +1,157 @@
+"""Request params: what each method's params decode to, and how bad ones are reported."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+from protocol import (
+    InvalidParams,
+    ListTasksParams,
+    ListTasksResult,
+    Message,
+    ProtocolVersion,
+    Role,
+    SendConfiguration,
+    SendMessageParams,
+    TaskIdParams,
+    TaskQueryParams,
+    TaskState,
+    TextPart,
+)
+
+V1, V03 = ProtocolVersion.V1_0, ProtocolVersion.V0_3
+
+
+def complaint(cls: Any, params: Any, version: ProtocolVersion = V1) -> str:
+    with pytest.raises(InvalidParams) as caught:
+        cls.from_json(params, version)
+    return caught.value.message
+
+
+def test_send_params_default_to_blocking() -> None:
+    params = {"message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "hi"}]}}
+    decoded = SendMessageParams.from_json(params, V1)
+    assert decoded.configuration == SendConfiguration()
+    assert decoded.message == Message(message_id="m", role=Role.USER, parts=[TextPart("hi")])
+    assert decoded.to_json(V1) == params
+
+
+def test_send_params_return_immediately_is_1_0_for_0_3_blocking_false() -> None:
+    v1 = SendMessageParams.from_json(
+        {
+            "message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x"}]},
+            "configuration": {"returnImmediately": True},
+        },
+        V1,
+    )
+    v03 = SendMessageParams.from_json(
+        {
+            "message": {"messageId": "m", "role": "user", "parts": [{"kind": "text", "text": "x"}]},
+            "configuration": {"blocking": False},
+        },
+        V03,
+    )
+    assert v1.configuration.return_immediately and v03.configuration.return_immediately
+    assert v1.to_json(V03)["configuration"] == {"blocking": False}
+    assert v03.to_json(V1)["configuration"] == {"returnImmediately": True}
+
+
+def test_send_params_keep_history_length_output_modes_and_push_config() -> None:
+    configuration = {
+        "acceptedOutputModes": ["text/plain"],
+        "historyLength": 2,
+        "taskPushNotificationConfig": {"url": "https://hook"},
+    }
+    params = {
+        "message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x"}]},
+        "configuration": configuration,
+    }
+    decoded = SendMessageParams.from_json(params, V1).configuration
+    assert decoded == SendConfiguration(
+        accepted_output_modes=["text/plain"], history_length=2, push_notification_config={"url": "https://hook"}
+    )
+
+
+def test_send_params_without_message_name_the_field() -> None:
+    assert (
+        complaint(SendMessageParams, {})
+        == "invalid params: 'message' must be an object, got nothing (the field is missing)"
+    )
+
+
+def test_send_params_negative_history_length_names_the_field() -> None:
+    message = {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x"}]}
+    assert complaint(SendMessageParams, {"message": message, "configuration": {"historyLength": -1}}) == (
+        "invalid params: 'configuration.historyLength' must be a non-negative integer, got integer -1"
+    )
+
+
+def test_task_query_params_keep_history_length_presence() -> None:
+    assert TaskQueryParams.from_json({"id": "t"}, V1).history_length is None
+    assert TaskQueryParams.from_json({"id": "t", "historyLength": 0}, V1).history_length == 0
+    assert TaskQueryParams.from_json({"id": "t", "historyLength": "3"}, V1).history_length == 3
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"id": 5}, "'id' must be a non-empty string, got integer 5"),
+        ({"id": ""}, "'id' must be a non-empty string, got string ''"),
+        ({"id": "t", "historyLength": "abc"}, "'historyLength' must be a non-negative integer, got string 'abc'"),
+        ({"id": "t", "historyLength": True}, "'historyLength' must be a non-negative integer, got boolean true"),
+        ({"id": "t", "historyLength": 1.5}, "'historyLength' must be a non-negative integer, got number 1.5"),
+    ],
+)
+def test_task_query_params_bad_fields_are_named(params: Any, message: str) -> None:
+    assert complaint(TaskQueryParams, params) == f"invalid params: {message}"
+
+
+def test_task_id_params_round_trip() -> None:
+    params = {"id": "t", "metadata": {"reason": "user"}}
+    assert TaskIdParams.from_json(params, V03).to_json(V03) == params
+
+
+def test_list_tasks_params_decode_every_filter() -> None:
+    params = {
+        "contextId": "c",
+        "status": "TASK_STATE_WORKING",
+        "pageSize": 10,
+        "pageToken": "next",
+        "historyLength": 0,
+        "statusTimestampAfter": "2026-11-29T22:00:00Z",
+        "includeArtifacts": True,
+    }
+    decoded = ListTasksParams.from_json(params, V1)
+    assert decoded == ListTasksParams(
+        context_id="c",
+        status=TaskState.WORKING,
+        page_size=10,
+        page_token="next",
+        history_length=0,
+        status_timestamp_after=datetime(2026, 11, 29, 22, tzinfo=timezone.utc),
+        include_artifacts=True,
+    )
+    assert decoded.to_json(V1) == params
+
+
+@pytest.mark.parametrize("size", [0, 101, -5])
+def test_list_tasks_page_size_out_of_range_names_the_limits(size: int) -> None:
+    assert complaint(ListTasksParams, {"pageSize": size}) == (
+        f"invalid params: 'pageSize' must be an integer from 1 to 100, got integer {size}"
+    )
+
+
+def test_list_tasks_result_always_sends_the_next_page_token() -> None:
+    assert ListTasksResult(tasks=[], next_page_token="", page_size=50, total_size=0).to_json(V1) == {
+        "tasks": [],
+        "nextPageToken": "",
+        "pageSize": 50,
+        "totalSize": 0,
+    }
+
+
+def test_params_that_are_not_an_object_are_named_params() -> None:
+    assert complaint(TaskIdParams, ["t"]) == "invalid params: 'params' must be an object, got an array of 1 item"

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol import SseEvent, SseParser, encode_comment, encode_event
+from protocol.sse import CONTENT_TYPE, HEADERS
+
+
+def parse_all(stream: bytes, chunk_size: int | None = None) -> list[SseEvent]:
+    parser = SseParser()
+    step = chunk_size or max(len(stream), 1)
+    events = [event for start in range(0, len(stream), step) for event in parser.feed(stream[start : start + step])]
+    assert parser.close()
+    return events
+
+
+def test_encode_event_is_one_data_line_and_a_blank_line() -> None:
+    response = {"jsonrpc": "2.0", "id": 9, "result": {"statusUpdate": {"text": "a\nb"}}}
+    framed = encode_event(response)
+    assert framed == b'data: {"jsonrpc":"2.0","id":9,"result":{"statusUpdate":{"text":"a\\nb"}}}\n\n'
+
+
+def test_encode_comment_is_ignored_by_the_parser() -> None:
+    assert encode_comment("keep-alive") == b": keep-alive\n\n"
+    assert encode_comment() == b":\n\n"
+    assert parse_all(encode_comment("ping") + encode_event({"a": 1})) == [SseEvent('{"a":1}')]
+
+
+def test_encode_comment_refuses_a_newline() -> None:
+    with pytest.raises(ValueError, match="one line"):
+        encode_comment("a\nb")
+
+
+def test_stream_headers_match_the_reference_server() -> None:
+    assert dict(HEADERS) == {"content-type": CONTENT_TYPE, "cache-control": "no-store", "x-accel-buffering": "no"}
+
+
+def test_parser_reads_events_split_anywhere() -> None:
+    stream = b"".join(encode_event({"n": n, "text": "caf\u00e9 \u2603"}) for n in range(3))
+    whole = parse_all(stream)
+    assert [json.loads(event.data)["n"] for event in whole] == [0, 1, 2]
+    for size in (1, 2, 3, 7):
+        assert parse_all(stream, size) == whole
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_parser_accepts_every_line_ending(newline: bytes) -> None:
+    stream = b"data: one" + newline + b"data: two" + newline + newline
+    assert parse_all(stream) == [SseEvent("one\ntwo")]
+    assert parse_all(stream, 1) == [SseEvent("one\ntwo")]
+
+
+def test_parser_reads_event_id_and_retry_fields() -> None:
+    stream = b"event: update\nid: 42\nretry: 1500\ndata:no-space\n\ndata: next\n\n"
+    assert parse_all(stream) == [SseEvent("no-space", "update", "42", 1500), SseEvent("next", "message", "42", 1500)]
+
+
+def test_parser_skips_a_leading_byte_order_mark_and_unknown_fields() -> None:
+    assert parse_all(b"\xef\xbb\xbfdata: x\nfoo: bar\nbare\n\n") == [SseEvent("x")]
+
+
+def test_parser_ignores_blank_lines_without_data() -> None:
+    assert parse_all(b"\n\nevent: lonely\n\n") == []
+
+
+def test_parser_close_reports_a_cut_off_event() -> None:
+    parser = SseParser()
+    assert parser.feed(b'data: {"partial": tr') == []
+    assert not parser.close()
+    unfinished = SseParser()
+    assert unfinished.feed(b"data: whole line\n") == []
+    assert not unfinished.close()
+
+
+@given(st.lists(st.text(st.characters(blacklist_categories=["Cs"]), max_size=40), max_size=5), st.integers(1, 9))
+def test_parser_round_trips_any_json_text_in_any_chunking(texts: list[str], chunk_size: int) -> None:
+    responses = [{"jsonrpc": "2.0", "id": i, "result": {"text": text}} for i, text in enumerate(texts)]
+    stream = b"".join(encode_event(response) for response in responses)
+    assert [json.loads(event.data) for event in parse_all(stream, chunk_size)] == responses
