@@ -1,13 +1,13 @@
 """Every capture from the a2a-sdk reference server decodes, and re-encodes to the same JSON.
 
-The captures live in the shared reference tree (override with KEEL_A2A_WIRE). Known, deliberate
+The captures (real requests and responses of the a2a-sdk 1.3.0 reference server) live in
+tests/protocol/wire/. Known, deliberate
 differences from the reference server each have their own test below.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from protocol import (
     stream_event_to_json,
 )
 
-WIRE = Path(os.environ.get("KEEL_A2A_WIRE", "/work/shared/reference/a2a-wire"))
+WIRE = Path(__file__).resolve().parent / "wire"
 V1, V03 = ProtocolVersion.V1_0, ProtocolVersion.V0_3
 
 # The A2A-Version header each request was sent with (None: absent).
@@ -160,7 +160,7 @@ RESULTS = [n for n in names(".resp.txt") if n not in REJECTED and n not in HANDL
 
 
 def test_captures_are_all_covered() -> None:
-    assert WIRE.is_dir(), f"the reference captures are missing: {WIRE} (set KEEL_A2A_WIRE)"
+    assert WIRE.is_dir(), f"the reference captures are missing: {WIRE}"
     responses = set(names(".resp.txt"))
     assert responses == set(RESULTS) | set(HANDLER_ERRORS) | set(REJECTED)
     assert set(GOOD_REQUESTS) | set(REJECTED) == set(names(".req.json"))
