@@ -1,0 +1,147 @@
+"""One frozen Config, built at the edge from flags and AGENT_* variables.
+
+Nothing below ``main`` reads the environment: the CLI builds a Config with ``Config.load`` and
+passes it down. Every problem is collected, so ``python -m runtime check`` can print them all at
+once; values of secrets never appear in a message.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+
+from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL
+
+ORPHAN_POLICIES = ("resume", "fail")
+
+
+class ConfigError(Exception):
+    """Every problem found in the configuration, one per line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("the configuration has problems:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@attrs.frozen
+class Setting:
+    field: str  # the Config attribute
+    env: str  # its AGENT_* variable
+    parse: Callable[[str], Any]
+    flag: str | None  # its serve flag, or None for environment-only settings
+    help: str
+    secret: bool = False
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError("a port is a whole number from 1 to 65535")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("it must be a number of seconds greater than 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("it must be a whole number of at least 1")
+    return value
+
+
+def _url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"it must be an http:// or https:// URL with a host, like {DEFAULT_BASE_URL}")
+    return text.rstrip("/")
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise ValueError("it must not be empty")
+    return text
+
+
+def _orphans(text: str) -> str:
+    if text not in ORPHAN_POLICIES:
+        raise ValueError(f"it must be one of: {', '.join(ORPHAN_POLICIES)}")
+    return text
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("host", "AGENT_HOST", _non_empty, "--host", "address to listen on"),
+    Setting("port", "AGENT_PORT", _port, "--port", "port to listen on (0: any free port)"),
+    Setting("state_dir", "AGENT_STATE_DIR", lambda t: Path(_non_empty(t)), "--state-dir", "where the databases live"),
+    Setting("model_base_url", "AGENT_MODEL_BASE_URL", _url, "--model-base-url", "an OpenAI-compatible API"),
+    Setting("model", "AGENT_MODEL", _non_empty, "--model", "the model to ask"),
+    Setting("model_api_key", "AGENT_MODEL_API_KEY", _non_empty, None, "bearer token for the model API", secret=True),
+    Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
+    Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
+    Setting("orphans", "AGENT_ORPHANS", _orphans, "--orphans", "what to do with tasks a dead process left running: resume or fail"),
+)
+
+
+@attrs.frozen
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    state_dir: Path = Path(".state")
+    model_base_url: str = DEFAULT_BASE_URL
+    model: str = DEFAULT_MODEL
+    model_api_key: str | None = attrs.field(default=None, repr=False)
+    drain_timeout_s: float = 10.0
+    max_model_calls: int = 12
+    orphans: str = "resume"
+    cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state
+
+    @classmethod
+    def load(cls, env: Mapping[str, str], flags: Mapping[str, str | None] | None = None) -> Config:
+        """Build from environment variables, each overridden by its flag when given.
+
+        ``flags`` maps Config field names to the text given on the command line. Unknown
+        AGENT_* variables are problems too (a misspelt setting must not be silently ignored).
+        Raises ConfigError listing every problem.
+        """
+        flags = flags or {}
+        values: dict[str, Any] = {}
+        problems: list[str] = []
+        for setting in SETTINGS:
+            given = flags.get(setting.field)
+            source = setting.flag if given is not None else setting.env
+            text = given if given is not None else env.get(setting.env)
+            if text is None:
+                continue
+            try:
+                values[setting.field] = setting.parse(text)
+            except ValueError as exc:
+                shown = "(hidden)" if setting.secret else repr(text)
+                problems.append(f"{source}={shown} is not valid: {exc}")
+        problems.extend(unknown_settings(env))
+        if problems:
+            raise ConfigError(problems)
+        return cls(**values)
+
+
+def unknown_settings(env: Mapping[str, str]) -> list[str]:
+    known = {s.env for s in SETTINGS} | EXTRA_KNOWN
+    problems = []
+    for name in sorted(env):
+        if name.startswith("AGENT_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; the settings are: {', '.join(sorted(known))}"
+            problems.append(f"{name} is not a setting Keel knows{hint}")
+    return problems
+
+
+# AGENT_* variables read by other commands (state snapshots), valid in the environment too.
+EXTRA_KNOWN = {"AGENT_BACKUP_ROOT"}

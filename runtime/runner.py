@@ -1,0 +1,347 @@
+"""The runner owns every run: one cancel scope per task, turn locks, durable task states.
+
+HTTP handlers call ``send``, ``cancel``, ``get``, ``list_tasks`` and ``subscribe``; the runs
+themselves live in the runner's nursery, never in a request's, so a client that goes away ends
+only its own subscription.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+import persistence.errors as store_errors
+from persistence.api import SessionStore, TaskStore
+from persistence.session import Session
+from persistence.transcript import Message as Transcribed
+from protocol import (
+    Artifact,
+    ContextMismatch,
+    InvalidParams,
+    ListTasksParams,
+    ListTasksResult,
+    SendMessageParams,
+    StreamEvent,
+    Task,
+    TaskArtifactUpdateEvent,
+    TaskIsTerminal,
+    TaskNotCancelable,
+    TaskState,
+    TaskStatus,
+    TextPart,
+    UnsupportedOperation,
+    trim_history,
+)
+from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, TextDelta
+from runtime.models import ModelError
+from runtime.tasks import (
+    STORED_VERSION,
+    LiveTask,
+    agent_message,
+    decode,
+    encode,
+    load,
+    message_text,
+    new_id,
+    now,
+    with_status,
+)
+
+logger = logging.getLogger(__name__)
+
+ANSWER_ARTIFACT = "answer"
+METADATA_KEY = "keel"  # task.metadata["keel"]["transcriptStart"]: the session length the turn began at
+
+
+@attrs.frozen
+class RunnerConfig:
+    orphans: str = "resume"  # or "fail": what to do with tasks a dead process left unfinished
+    drain_timeout_s: float = 10.0
+    cleanup_timeout_s: float = 5.0
+
+
+@attrs.define(eq=False)
+class Runner:
+    """Start it with ``runner = await nursery.start(Runner(...).run)``; stop it with ``stop()``."""
+
+    sessions: SessionStore
+    tasks: TaskStore
+    model: Model
+    agent: AgentSpec
+    config: RunnerConfig = RunnerConfig()
+    _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
+    _live: dict[str, LiveTask] = attrs.field(init=False, factory=dict)
+    _stopping: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
+
+    async def run(self, *, task_status: trio.TaskStatus[Runner] = trio.TASK_STATUS_IGNORED) -> None:
+        """Deal with what a dead process left, serve until ``stop()``, then drain.
+
+        Draining gives runs ``drain_timeout_s`` to finish, then cancels them; each writes its
+        terminal state before this returns.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await self._adopt_orphans()
+                task_status.started(self)
+                await self._stopping.wait()
+                with trio.move_on_after(self.config.drain_timeout_s):
+                    while self._live:
+                        await self._idle.wait()
+                for live in list(self._live.values()):
+                    live.scope.cancel()
+        finally:
+            self._stopped.set()
+
+    def stop(self) -> None:
+        """Refuse new work and start draining (see ``run``)."""
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    @property
+    def running(self) -> int:
+        return len(self._live)
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def send(self, owner: str, params: SendMessageParams) -> Task:
+        """A new task (SUBMITTED, durable before this returns), or a steer for a working one."""
+        message = params.message
+        if message.task_id:
+            return await self._to_existing(owner, message.task_id, params)
+        self._refuse_if_stopping()
+        context_id = message.context_id or new_id()
+        task_id = new_id()
+        message = attrs.evolve(message, task_id=task_id, context_id=context_id)
+        task = Task(
+            id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
+            history=(message,), metadata=params.metadata,
+        )  # fmt: skip
+        record = await self.tasks.create(
+            owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
+            task_json=encode(task),
+        )  # fmt: skip
+        self._start(self._live_task(owner, task, record.version))
+        return task
+
+    def _live_task(self, owner: str, task: Task, version: int) -> LiveTask:
+        return LiveTask(owner=owner, task=task, version=version, write_timeout_s=self.config.cleanup_timeout_s)
+
+    async def _to_existing(self, owner: str, task_id: str, params: SendMessageParams) -> Task:
+        task, version = await load(self.tasks, owner, task_id)
+        message = params.message
+        if message.context_id and message.context_id != task.context_id:
+            raise ContextMismatch(message.context_id, task_id, task.context_id)
+        state = task.status.state
+        if state.is_terminal:
+            raise TaskIsTerminal(task_id, state.value, "take a message")
+        message = attrs.evolve(message, context_id=task.context_id)
+        text = message_text(message)
+        if not text.strip():
+            raise InvalidParams("message.parts", "at least one part with text or data")
+        # A message to a working task is a steer: stored for the session, taken exactly once
+        # before the run's next model request, wherever that run is.
+        await self.sessions.add_steer(task.context_id, text)
+        live = self._live.get(task_id)
+        if live is not None:
+            await live.persist(self.tasks, attrs.evolve(live.task, history=(*live.task.history, message)))
+            return live.task
+        updated = attrs.evolve(task, history=(*task.history, message))
+        await self.tasks.update(
+            owner, task_id, state=state.wire_name(STORED_VERSION), task_json=encode(updated), expected_version=version
+        )
+        return updated
+
+    async def get(self, owner: str, task_id: str, history_length: int | None = None) -> Task:
+        live = self._live.get(task_id)
+        task = live.task if live is not None and live.owner == owner else (await load(self.tasks, owner, task_id))[0]
+        return task if history_length is None else trim_history(task, history_length, STORED_VERSION)
+
+    async def list_tasks(self, owner: str, params: ListTasksParams) -> ListTasksResult:
+        after = params.status_timestamp_after
+        try:
+            page = await self.tasks.list(
+                owner,
+                context_id=params.context_id,
+                state=None if params.status is None else params.status.wire_name(STORED_VERSION),
+                updated_after_ms=None if after is None else int(after.timestamp() * 1000),
+                page_size=params.page_size or 50,
+                page_token=params.page_token or "",
+            )
+        except store_errors.InvalidPage as exc:
+            raise InvalidParams("pageToken" if "token" in str(exc) else "pageSize", str(exc)) from exc
+        tasks = []
+        for record in page.records:
+            task = decode(record)
+            if params.history_length is not None:
+                task = trim_history(task, params.history_length, STORED_VERSION)
+            if not params.include_artifacts:
+                task = attrs.evolve(task, artifacts=())
+            tasks.append(task)
+        return ListTasksResult(
+            tasks=tasks, next_page_token=page.next_page_token, page_size=len(tasks), total_size=page.total_size
+        )
+
+    async def cancel(self, owner: str, task_id: str) -> Task:
+        """Cancel the task's scope and return it CANCELED, as persisted."""
+        task, version = await load(self.tasks, owner, task_id)
+        if task.status.state.is_terminal:
+            raise TaskNotCancelable(task_id, task.status.state.value)
+        live = self._live.get(task_id)
+        if live is not None:
+            live.scope.cancel()
+            await live.settled.wait()
+            return live.task
+        # Not running here (its process died and it has not been adopted yet): settle it on disk.
+        canceled = with_status(task, TaskState.CANCELED, agent_message(task, "The task was canceled."))
+        await self.tasks.update(
+            owner, task_id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
+            expected_version=version,
+        )  # fmt: skip
+        return canceled
+
+    @asynccontextmanager
+    async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamEvent]]:
+        """Events of one task: first the task as persisted, then what happens to it, ending when
+        it settles. Leaving the block ends only this subscription."""
+        live = self._live.get(task_id)
+        if live is None or live.owner != owner:
+            task, _ = await load(self.tasks, owner, task_id)
+            send, receive = trio.open_memory_channel[StreamEvent](1)
+            send.send_nowait(task)
+            send.close()
+            with receive:
+                yield receive
+            return
+        receive = live.subscribe()
+        try:
+            yield receive
+        finally:
+            live.unsubscribe(receive)
+
+    async def wait_settled(self, owner: str, task_id: str) -> Task:
+        """Block until the task is terminal or interrupted, and return it as persisted."""
+        live = self._live.get(task_id)
+        if live is not None:
+            await live.settled.wait()
+        return await self.get(owner, task_id)
+
+    # -- runs -------------------------------------------------------------------------------------
+
+    def _refuse_if_stopping(self) -> None:
+        if self._stopping.is_set():
+            raise UnsupportedOperation("the server is shutting down and takes no new tasks; try another replica or retry shortly")
+
+    def _start(self, live: LiveTask) -> None:
+        assert self._nursery is not None, "the runner is not running"
+        self._live[live.task.id] = live
+        self._idle = trio.Event()
+        self._nursery.start_soon(self._execute, live, name=f"task {live.task.id}")
+
+    async def _execute(self, live: LiveTask) -> None:
+        final: Task | None = None
+        try:
+            with live.scope:
+                final = await self._turn(live)
+        except Exception:
+            logger.exception("task %s failed inside the runner", live.task.id)
+            final = with_status(live.task, TaskState.FAILED, agent_message(live.task, "The task failed with an internal error."))
+        finally:
+            if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
+                final = with_status(live.task, TaskState.CANCELED, agent_message(live.task, "The task was canceled."))
+            try:
+                await live.persist(self.tasks, final)  # shielded and bounded inside
+            except (store_errors.StoreError, TimeoutError) as exc:
+                logger.error("task %s: its final state %s could not be stored: %s", live.task.id, final.status.state.value, exc)
+            live.close()
+            del self._live[live.task.id]
+            if not self._live:
+                self._idle.set()
+
+    async def _turn(self, live: LiveTask) -> Task:
+        """One turn on the task's session: WORKING durable before the model is called, then the
+        agent loop, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
+        task = live.task
+        session = Session.open(task.context_id, self.sessions)
+        async with self.sessions.turn_lock(task.context_id):
+            messages = await session.messages()
+            start = _transcript_start(task)
+            if start is None:
+                start = len(messages)
+            if len(messages) <= start:
+                # The turn's first run, or its process died before the question was saved.
+                messages.append(Transcribed(role="user", text=message_text(task.history[0])))
+            elif _answered(messages[start:]):
+                # Its process died after the answer was saved but before the task said so.
+                return self._completed(live, messages[-1].text)
+            # Otherwise a resumed run continues from the transcript as saved: the step in flight
+            # when the process died is done again (see AgentRun._ask).
+            metadata = {**(task.metadata or {}), METADATA_KEY: {"transcriptStart": start}}
+            await live.persist(self.tasks, attrs.evolve(with_status(task, TaskState.WORKING), metadata=metadata))
+            stream = _AnswerStream(live)
+            run = AgentRun(self.model, self.agent, messages, session=session, on_event=stream.on_event)
+            try:
+                result = await run.run()
+            except (AgentError, ModelError) as exc:
+                logger.info("task %s failed: %r", task.id, exc)
+                return with_status(live.task, TaskState.FAILED, agent_message(live.task, f"The task failed: {exc}"))
+        return self._completed(live, result.output)
+
+    def _completed(self, live: LiveTask, output: str) -> Task:
+        task = live.task
+        answer = agent_message(task, output)
+        artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(output),))
+        live.publish(TaskArtifactUpdateEvent(task_id=task.id, context_id=task.context_id, artifact=artifact, last_chunk=True))
+        done = attrs.evolve(task, history=(*task.history, answer), artifacts=(artifact,))
+        return with_status(done, TaskState.COMPLETED, answer)
+
+    async def _adopt_orphans(self) -> None:
+        """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left hanging."""
+        for record in await self.tasks.unfinished():
+            task = decode(record)
+            live = self._live_task(record.owner, task, record.version)
+            if self.config.orphans == "resume":
+                logger.info("resuming task %s left %s by a process that stopped", task.id, task.status.state.value)
+                self._start(live)
+                continue
+            reason = "The process running this task stopped before it finished; send the message again."
+            await live.persist(self.tasks, with_status(task, TaskState.FAILED, agent_message(task, reason)))
+
+
+def _answered(turn: list[Transcribed]) -> bool:
+    """Whether a turn's transcript ends with the model's answer (an assistant message, no tool calls)."""
+    last = turn[-1]
+    return last.role == "assistant" and not last.tool_calls and not last.partial
+
+
+def _transcript_start(task: Task) -> int | None:
+    keel = (task.metadata or {}).get(METADATA_KEY)
+    if isinstance(keel, dict) and isinstance(keel.get("transcriptStart"), int):
+        return int(keel["transcriptStart"])
+    return None
+
+
+@attrs.define(eq=False)
+class _AnswerStream:
+    """Streams the model's text to subscribers as chunks of the answer artifact."""
+
+    live: LiveTask
+    _chunks: int = 0
+
+    def on_event(self, event: AgentEvent) -> None:
+        if not isinstance(event, TextDelta) or not event.text:
+            return
+        task = self.live.task
+        artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(event.text),))
+        self.live.publish(
+            TaskArtifactUpdateEvent(task_id=task.id, context_id=task.context_id, artifact=artifact, append=self._chunks > 0)
+        )
+        self._chunks += 1

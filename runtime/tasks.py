@@ -1,0 +1,143 @@
+"""Tasks as the runner keeps them: A2A values in the task store, and their live broadcast."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from datetime import datetime, timezone
+
+import attrs
+import trio
+
+import persistence.errors as store_errors
+from persistence.api import TaskRecord, TaskStore
+from protocol import (
+    Message,
+    ProtocolVersion,
+    Role,
+    StreamEvent,
+    Task,
+    TaskNotFound,
+    TaskState,
+    TaskStatus,
+    TaskStatusUpdateEvent,
+    TextPart,
+)
+
+logger = logging.getLogger(__name__)
+
+STORED_VERSION = ProtocolVersion.V1_0  # the encoding of the task JSON column
+SUBSCRIBER_BUFFER = 4096  # events a subscriber may fall behind before it is dropped
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def encode(task: Task) -> str:
+    return json.dumps(task.to_json(STORED_VERSION), ensure_ascii=False, separators=(",", ":"))
+
+
+def decode(record: TaskRecord) -> Task:
+    return Task.from_json(json.loads(record.task_json), STORED_VERSION)
+
+
+def agent_message(task: Task, text: str) -> Message:
+    return Message(
+        message_id=new_id(), role=Role.AGENT, parts=(TextPart(text),), task_id=task.id, context_id=task.context_id
+    )
+
+
+def message_text(message: Message) -> str:
+    """What a message says, as text for the model: text parts as they are, data parts as JSON."""
+    pieces = []
+    for part in message.parts:
+        if isinstance(part, TextPart):
+            pieces.append(part.text)
+        elif hasattr(part, "data"):
+            pieces.append(json.dumps(part.data, ensure_ascii=False))
+    return "\n".join(pieces)
+
+
+def with_status(task: Task, state: TaskState, message: Message | None = None) -> Task:
+    return attrs.evolve(task, status=TaskStatus(state=state, message=message, timestamp=now()))
+
+
+async def load(tasks: TaskStore, owner: str, task_id: str) -> tuple[Task, int]:
+    """The stored task and its version; protocol TaskNotFound when missing or not the owner's."""
+    try:
+        record = await tasks.get(owner, task_id)
+    except store_errors.TaskNotFound:
+        raise TaskNotFound(task_id) from None
+    return decode(record), record.version
+
+
+@attrs.define(eq=False)
+class LiveTask:
+    """A task this process is running: its cancel scope, its newest persisted snapshot, and the
+    channels of whoever is subscribed. The runner changes ``task`` only after it is durable."""
+
+    owner: str
+    task: Task
+    version: int
+    write_timeout_s: float = 5.0
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk
+    _subscribers: set[trio.MemorySendChannel[StreamEvent]] = attrs.field(init=False, factory=set)
+    _writing: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+
+    async def persist(self, tasks: TaskStore, task: Task) -> None:
+        """Write the task (version-checked), then tell the subscribers.
+
+        One write at a time (the run and a steering request may both write), and shielded, with
+        a bound: a write that was queued always finishes, so the version known here stays true.
+        """
+        with trio.move_on_after(self.write_timeout_s, shield=True) as bound:
+            async with self._writing:
+                record = await tasks.update(
+                    self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(task),
+                    expected_version=self.version,
+                )  # fmt: skip
+                self.version = record.version
+                self.task = task
+        if bound.cancelled_caught:
+            raise TimeoutError(f"storing task {task.id!r} took longer than {self.write_timeout_s:g} s")
+        self.publish(TaskStatusUpdateEvent(task_id=task.id, context_id=task.context_id, status=task.status))
+
+    def subscribe(self) -> trio.MemoryReceiveChannel[StreamEvent]:
+        """A channel that starts with the task as it stands, then carries every event."""
+        send, receive = trio.open_memory_channel[StreamEvent](SUBSCRIBER_BUFFER)
+        send.send_nowait(self.task)
+        if self.settled.is_set():
+            send.close()
+        else:
+            self._subscribers.add(send)
+        return receive
+
+    def unsubscribe(self, receive: trio.MemoryReceiveChannel[StreamEvent]) -> None:
+        receive.close()  # the matching send side is dropped on the next publish
+
+    def publish(self, event: StreamEvent) -> None:
+        for send in list(self._subscribers):
+            try:
+                send.send_nowait(event)
+            except trio.WouldBlock:
+                logger.warning("task %s: a subscriber fell %d events behind and was dropped", self.task.id, SUBSCRIBER_BUFFER)
+                self._drop(send)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._drop(send)
+
+    def close(self) -> None:
+        """The task has settled: end every subscription after what was already sent."""
+        self.settled.set()
+        for send in list(self._subscribers):
+            self._drop(send)
+
+    def _drop(self, send: trio.MemorySendChannel[StreamEvent]) -> None:
+        self._subscribers.discard(send)
+        send.close()
