@@ -1,0 +1,195 @@
+"""Restore a snapshot over the state directory through the journal, and reset the directory.
+
+Writers must be stopped: restore and reset take ``.keel.lock`` exclusively without waiting and
+refuse while any process serves the directory. The whole snapshot is validated before anything
+live is touched. Then, under the generation lock:
+
+1. stage the new generation in ``.restore-staged.<txid>/`` (each copy fsynced and re-hashed);
+2. publish the ``prepared`` journal (temp file, fsync, directory fsync, rename, directory fsync);
+3. quarantine the old generation file by file, sidecars included, into ``.restore-quarantine.<txid>/``,
+   fsyncing both directories after each move;
+4. publish the staged databases the same way, and verify the live inventory exactly;
+5. publish the ``committed`` journal; remove staging and quarantine, and the journal last.
+
+A failure before step 2 removes the staging; after it and before step 5 the journal moves to
+``rolling_back`` and the old generation is put back byte for byte; after step 5 the new
+generation stays and recovery finishes the clean-up. A crash anywhere is recovery's to finish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import attrs
+
+from persistence.journal import JOURNAL_NAME, QUARANTINE_PREFIX, STAGING_PREFIX, Journal, Rename, new_transaction_id
+from persistence.journal import publish_journal, stage_journal
+from persistence.manifest import Manifest, read_snapshot
+from persistence.recovery import assert_live, cleanup, discard_unpublished, recover_locked, roll_back
+from persistence.statedir import (
+    DIR_MODE,
+    DOCUMENT_MODE,
+    GENERATION_LOCK_NAME,
+    USE_LOCK_NAME,
+    FileEvidence,
+    RestoreError,
+    StateError,
+    exclusive_use,
+    fsync_dir,
+    generation_lock,
+    live_inventory,
+    make_fresh_dir,
+)
+
+_CHUNK_BYTES = 1 << 20
+
+
+@attrs.frozen
+class RestoreResult:
+    transaction_id: str
+    restored: tuple[str, ...]  # the databases now live
+    replaced: tuple[str, ...]  # the previous generation's files, sidecars included
+
+
+def restore_snapshot(snapshot_dir: Path, state_dir: Path, *, rename: Rename = os.replace) -> RestoreResult:
+    """Replace the live generation with the snapshot's, all or nothing.
+
+    Blocking; waits while another process snapshots, restores or recovers this directory.
+    ``rename`` is the one seam every move goes through (crash tests replace it). Raises
+    SnapshotError (nothing touched) for a snapshot that fails validation, StateBusy while a
+    process serves the directory, RecoveryError when an earlier restore cannot be accounted for,
+    and RestoreError when the restore failed and the previous generation was put back.
+    """
+    manifest = read_snapshot(snapshot_dir)
+    state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    with generation_lock(state_dir), exclusive_use(state_dir):
+        recover_locked(state_dir, exclusive_held=True)
+        return _Restore(snapshot_dir=snapshot_dir, state_dir=state_dir, manifest=manifest, rename=rename).run()
+
+
+@attrs.define(eq=False)
+class _Restore:
+    snapshot_dir: Path
+    state_dir: Path
+    manifest: Manifest
+    rename: Rename
+    transaction_id: str = attrs.field(init=False, factory=new_transaction_id)
+    journal: Journal | None = attrs.field(init=False, default=None)  # the durable one, once published
+
+    def run(self) -> RestoreResult:
+        staging = self.state_dir / (STAGING_PREFIX + self.transaction_id)
+        quarantine = self.state_dir / (QUARANTINE_PREFIX + self.transaction_id)
+        try:
+            make_fresh_dir(staging)
+            make_fresh_dir(quarantine)
+            fsync_dir(self.state_dir)
+            new = self._stage(staging)
+            old = live_inventory(self.state_dir)
+            self._publish_journal(Journal(self.transaction_id, "prepared", old, new))
+            for evidence in old:
+                self._move(self.state_dir / evidence.filename, quarantine / evidence.filename)
+            for evidence in new:
+                self._move(staging / evidence.filename, self.state_dir / evidence.filename)
+            assert_live(self.state_dir, new, "new")
+            committed = Journal(self.transaction_id, "committed", old, new)
+            self._publish_journal(committed)
+        except BaseException as exc:
+            self._unwind()
+            if self.journal is not None and self.journal.phase == "rolling_back" and isinstance(exc, Exception):
+                raise RestoreError(
+                    f"restoring {self.snapshot_dir} failed and the previous generation is live again, "
+                    f"byte for byte: {exc}"
+                ) from exc
+            raise
+        cleanup(self.state_dir, committed)
+        return RestoreResult(
+            transaction_id=self.transaction_id,
+            restored=tuple(e.filename for e in new),
+            replaced=tuple(e.filename for e in old),
+        )
+
+    def _publish_journal(self, journal: Journal) -> None:
+        temp = stage_journal(self.state_dir, journal)
+        self.rename(temp, self.state_dir / JOURNAL_NAME)
+        self.journal = journal  # durable from here on, whatever happens to the fsync below
+        fsync_dir(self.state_dir)
+
+    def _move(self, source: Path, target: Path) -> None:
+        self.rename(source, target)
+        fsync_dir(source.parent)
+        fsync_dir(target.parent)
+
+    def _unwind(self) -> None:
+        """Undo what a failed restore did; a committed restore is left for recovery to finish."""
+        if self.journal is None:
+            discard_unpublished(self.state_dir, self.transaction_id)
+        elif self.journal.phase == "prepared":
+            rolling_back = self.journal.with_phase("rolling_back")
+            publish_journal(self.state_dir, rolling_back, rename=self.rename)
+            self.journal = rolling_back
+            roll_back(self.state_dir, rolling_back, rename=self.rename)
+
+    def _stage(self, staging: Path) -> tuple[FileEvidence, ...]:
+        staged = []
+        for entry in self.manifest.databases:
+            evidence = _copy_durably(self.snapshot_dir / entry.filename, staging / entry.filename)
+            if evidence != FileEvidence(entry.filename, entry.sha256, entry.size_bytes):
+                raise RestoreError(
+                    f"Snapshot database {entry.filename} changed while it was being staged; live state was not touched"
+                )
+            staged.append(evidence)
+        fsync_dir(staging)
+        return tuple(staged)
+
+
+def _copy_durably(source: Path, target: Path) -> FileEvidence:
+    """Copy a regular file to a new path, hashing what was written, and fsync it."""
+    digest = hashlib.sha256()
+    size = 0
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, DOCUMENT_MODE)
+        try:
+            while chunk := os.read(src, _CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(dst, view) :]
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    return FileEvidence(filename=target.name, sha256=digest.hexdigest(), size_bytes=size)
+
+
+def reset_state(state_dir: Path) -> list[str]:
+    """Throw the runtime state away: every entry of the directory but its lock files, the journal last.
+
+    Blocking on the generation lock; raises StateBusy while any process serves the directory.
+    Returns the names removed. Unlike recovery it needs no journal to make sense of residue,
+    because no generation survives it; the directory itself stays, with its locks.
+    """
+    if not os.path.lexists(state_dir):
+        return []
+    if not state_dir.is_dir() or state_dir.is_symlink():
+        raise StateError(f"the state directory {state_dir} is not a directory")
+    with generation_lock(state_dir), exclusive_use(state_dir):
+        kept = (USE_LOCK_NAME, GENERATION_LOCK_NAME)
+        names = [name for name in os.listdir(state_dir) if name not in kept]
+        names.sort(key=lambda name: (name == JOURNAL_NAME, name))
+        for name in names:
+            if name == JOURNAL_NAME:
+                fsync_dir(state_dir)  # everything the journal explains is durably gone before it goes
+            path = state_dir / name
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        fsync_dir(state_dir)
+    return names

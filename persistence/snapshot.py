@@ -1,0 +1,207 @@
+"""Consistent, self-verifying snapshots of the state directory, written while a server may run.
+
+Each visible ``*.db`` is copied through SQLite's backup API (never its ``-wal``/``-shm`` files),
+the copy switched out of WAL mode and checked with ``PRAGMA integrity_check``, and the snapshot
+staged in a hidden ``.incomplete-<stamp>.*`` directory under the backup root. It is published by
+one rename to ``<root>/<stamp>`` once its manifest and ``.complete`` marker are durable.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import sqlite3
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from persistence.manifest import FORMAT_VERSION, MANIFEST_NAME, MARKER_NAME, DatabaseEntry, Manifest, check_supported
+from persistence.recovery import recover, recover_locked
+from persistence.schema import read_identity
+from persistence.statedir import (
+    DIR_MODE,
+    PRIVATE_MODE,
+    SnapshotError,
+    encode_document,
+    file_evidence,
+    fsync_dir,
+    generation_lock,
+    is_db_name,
+    write_new_file,
+)
+
+APPLICATION = "keel"
+STAMP_FORMAT = "%Y%m%dT%H%M%SZ"
+STAMP = re.compile(r"\d{8}T\d{6}Z")
+BUSY_TIMEOUT_MS = 30_000  # a writer's transaction may hold the database briefly; wait for it
+
+
+def stamp_for(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime(STAMP_FORMAT)
+
+
+def create_snapshot(
+    state_dir: Path, backup_root: Path, *, keep: int, app_version: str, stamp: str | None = None
+) -> Path:
+    """Snapshot every database in ``state_dir`` into ``<backup_root>/<stamp>`` and return that path.
+
+    Blocking. Runs recovery first; holds the generation lock while it copies, so a restore waits
+    (a server keeps running). Keeps the newest ``keep`` complete snapshots. Raises SnapshotError
+    (nothing published) for a missing or empty state directory, a backup root inside it, a stamp
+    that is taken or being written by another process, or a database that fails its check;
+    RecoveryError when the state directory cannot be accounted for.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}; a snapshot that is pruned at once protects nothing")
+    now = datetime.now(timezone.utc)
+    stamp = stamp or stamp_for(now)
+    if not STAMP.fullmatch(stamp):
+        raise SnapshotError(f"snapshot timestamp {stamp!r} must look like 20260131T235959Z")
+    recover(state_dir)
+    if not state_dir.is_dir():
+        raise SnapshotError(f"the state directory {state_dir} does not exist; there is nothing to snapshot")
+    if backup_root.resolve().is_relative_to(state_dir.resolve()):
+        raise SnapshotError(
+            f"the backup root {backup_root} is inside the state directory {state_dir}; choose one outside it"
+        )
+    with generation_lock(state_dir):
+        recover_locked(state_dir, exclusive_held=False)
+        names = _database_names(state_dir)
+        backup_root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        with _claim_stamp(backup_root, stamp):
+            target = _write_snapshot(state_dir, backup_root, stamp, names, app_version, now)
+    prune_snapshots(backup_root, keep=keep)
+    return target
+
+
+def _database_names(state_dir: Path) -> list[str]:
+    names = sorted(name for name in os.listdir(state_dir) if name.endswith(".db") and not name.startswith("."))
+    if not names:
+        raise SnapshotError(f"the state directory {state_dir} holds no databases; there is nothing to snapshot")
+    for name in names:
+        if not is_db_name(name):
+            raise SnapshotError(
+                f"{state_dir / name}: a snapshot only carries databases with plain names (letters, digits, . _ -)"
+            )
+        if not (state_dir / name).is_file() or (state_dir / name).is_symlink():
+            raise SnapshotError(f"{state_dir / name} must be a regular file to be snapshotted")
+    return names
+
+
+@contextmanager
+def _claim_stamp(backup_root: Path, stamp: str) -> Iterator[None]:
+    """Own ``stamp`` in ``backup_root`` for as long as the snapshot is being written.
+
+    An flock (released by the kernel if this process dies) on ``.snapshot-<stamp>.lock``; the file
+    is unlinked while still locked, so a claimant that opened the old inode re-checks and retries.
+    """
+    path = backup_root / f".snapshot-{stamp}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SnapshotError(f"another process is writing snapshot {stamp} in {backup_root}") from None
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous owner unlinked it after we opened it; claim the new file
+    try:
+        if os.path.lexists(backup_root / stamp):
+            raise SnapshotError(
+                f"a snapshot named {stamp} already exists in {backup_root}; snapshots are never overwritten"
+            )
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _write_snapshot(
+    state_dir: Path, backup_root: Path, stamp: str, names: list[str], app_version: str, now: datetime
+) -> Path:
+    for stale in backup_root.glob(f".incomplete-{stamp}.*"):
+        shutil.rmtree(stale)  # left by a process that died holding this stamp; we own it now
+    staging = Path(tempfile.mkdtemp(prefix=f".incomplete-{stamp}.", dir=backup_root))
+    try:
+        os.chmod(staging, DIR_MODE)
+        entries = tuple(_copy_database(state_dir / name, staging / name) for name in names)
+        manifest = Manifest(
+            created_at=now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            application=APPLICATION,
+            version=app_version,
+            databases=entries,
+        )
+        manifest_bytes = encode_document(manifest.to_json())
+        write_new_file(staging / MANIFEST_NAME, manifest_bytes)
+        marker = {"format_version": FORMAT_VERSION, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+        write_new_file(staging / MARKER_NAME, encode_document(marker))
+        fsync_dir(staging)
+        target = backup_root / stamp
+        os.rename(staging, target)  # the one rename that publishes it; the stamp claim keeps target free
+        fsync_dir(backup_root)
+        return target
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _copy_database(source: Path, copy: Path) -> DatabaseEntry:
+    """Copy one database consistently, check the copy, and describe it for the manifest."""
+    try:
+        src = sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000)
+        try:
+            dst = sqlite3.connect(copy)
+            try:
+                src.backup(dst)  # one step: a single read transaction, so the copy is consistent
+                # The copy inherits WAL mode from the header; a snapshot file must stand alone.
+                dst.execute("PRAGMA journal_mode=DELETE")
+                problems = [row[0] for row in dst.execute("PRAGMA integrity_check(10)")]
+                if problems != ["ok"]:
+                    raise SnapshotError(f"{source} failed its integrity check: {'; '.join(map(str, problems))}")
+                identity = read_identity(dst)
+            finally:
+                dst.close()
+        finally:
+            src.close()
+    except sqlite3.Error as exc:
+        raise SnapshotError(f"{source} could not be copied: {exc}") from exc
+    check_supported(f"{source}", identity, fix="snapshot it with a build that supports it")
+    with open(copy, "rb+") as handle:
+        os.fsync(handle.fileno())
+    evidence = file_evidence(copy)
+    return DatabaseEntry(filename=copy.name, sha256=evidence.sha256, size_bytes=evidence.size_bytes, schema=identity)
+
+
+def complete_snapshots(backup_root: Path) -> list[Path]:
+    """Published snapshots (visible, stamp-named, with a ``.complete`` marker), oldest first."""
+    try:
+        names = os.listdir(backup_root)
+    except FileNotFoundError:
+        return []
+    found = [backup_root / name for name in names if STAMP.fullmatch(name)]
+    return sorted(path for path in found if path.is_dir() and (path / MARKER_NAME).is_file())
+
+
+def prune_snapshots(backup_root: Path, *, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete snapshots; anything else is left alone."""
+    expired = complete_snapshots(backup_root)[:-keep]
+    for path in expired:
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # another process pruned it first
+                raise
+    if expired:
+        fsync_dir(backup_root)
+    return expired

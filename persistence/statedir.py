@@ -1,0 +1,234 @@
+"""The state directory: its names, its errors, durable file operations, and its two locks.
+
+A *generation* is the set of live state files: every visible ``*.db`` in the directory plus the
+``-wal``/``-shm``/``-journal`` sidecars SQLite keeps next to them. Everything a restore leaves
+behind while it works starts with ``.restore-``; the lock files start with ``.keel`` and are never
+part of a generation or of the residue.
+
+Two ``fcntl.flock`` locks guard the directory:
+
+* ``.keel-generation.lock`` (exclusive, blocking) serializes everything that reads a whole
+  generation or replaces one: snapshot, restore, recovery, reset, and a server while it starts.
+* ``.keel.lock`` is held *shared* by every process that serves the state (several may), and taken
+  *exclusively without waiting* by restore and reset, which refuse while anyone holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import attrs
+
+from persistence.errors import StoreError
+
+USE_LOCK_NAME = ".keel.lock"
+GENERATION_LOCK_NAME = ".keel-generation.lock"
+RESIDUE_PREFIX = ".restore-"
+SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
+DIR_MODE = 0o750
+DOCUMENT_MODE = 0o644
+PRIVATE_MODE = 0o600
+_CHUNK_BYTES = 1 << 20
+
+# Bare, visible names of the kind Keel gives its databases; anything else is refused rather
+# than escaped, so a manifest or journal can never name a path outside its directory.
+_DB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.db")
+
+
+class StateError(StoreError):
+    """Base class for snapshot, restore, recovery and state-lock failures."""
+
+
+class StateBusy(StateError):
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        super().__init__(f"the state directory {state_dir} is in use by a running process; stop it first")
+
+
+class SnapshotError(StateError):
+    """A snapshot could not be written, or is not fit to restore; live state was not touched."""
+
+
+class RestoreError(StateError):
+    """A restore failed after it began; the previous generation was put back."""
+
+
+class RecoveryError(StateError):
+    """Recovery cannot account for the state directory; the evidence is left in place."""
+
+
+@attrs.frozen
+class FileEvidence:
+    """What a file was, byte for byte: its name, SHA-256 and size."""
+
+    filename: str
+    sha256: str
+    size_bytes: int
+
+
+def is_db_name(name: str) -> bool:
+    return _DB_NAME.fullmatch(name) is not None
+
+
+def is_state_file_name(name: str) -> bool:
+    """A database or one of its SQLite sidecars (``x.db-wal``, ``x.db-shm``, ``x.db-journal``)."""
+    for suffix in SIDECAR_SUFFIXES:
+        if name.endswith(suffix):
+            return is_db_name(name[: -len(suffix)])
+    return is_db_name(name)
+
+
+def file_evidence(path: Path) -> FileEvidence:
+    """Hash a regular file; a symlink or anything else is refused, never followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise StateError(f"{path} must be a regular file")
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, _CHUNK_BYTES):
+            digest.update(chunk)
+        return FileEvidence(filename=path.name, sha256=digest.hexdigest(), size_bytes=info.st_size)
+    finally:
+        os.close(fd)
+
+
+def live_files(state_dir: Path) -> list[str]:
+    """The names of the live generation's files, sorted; a symlinked or odd entry is refused."""
+    names = sorted(name for name in os.listdir(state_dir) if is_state_file_name(name))
+    for name in names:
+        if not stat.S_ISREG(os.lstat(state_dir / name).st_mode):
+            raise StateError(f"state file {state_dir / name} must be a regular file, not a link or directory")
+    return names
+
+
+def live_inventory(state_dir: Path) -> tuple[FileEvidence, ...]:
+    return tuple(file_evidence(state_dir / name) for name in live_files(state_dir))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (creations, renames, removals) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_new_file(path: Path, data: bytes, *, mode: int = DOCUMENT_MODE) -> None:
+    """Create ``path`` (it must not exist), write ``data`` and fsync it; the caller fsyncs the directory."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def encode_document(document: dict[str, object]) -> bytes:
+    """The pinned encoding of manifests, markers and journals: sorted keys, two-space indent,
+    ASCII only (non-ASCII as ``\\uXXXX``), one trailing newline; so a hash over it is stable."""
+    return (json.dumps(document, sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False) + "\n").encode("ascii")
+
+
+def decode_document(data: bytes) -> dict[str, object]:
+    """Parse a state document strictly; raises ValueError saying why it cannot be used.
+
+    Refuses invalid UTF-8, duplicate keys, NaN/Infinity, trailing content and a top level that is
+    not an object.
+    """
+    text = data.decode("utf-8")  # UnicodeDecodeError is a ValueError
+
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        keys = [key for key, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice")
+        return dict(pairs)
+
+    def no_constants(name: str) -> object:
+        raise ValueError(f"{name} is not a number")
+
+    document = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    if not isinstance(document, dict):
+        raise ValueError("the top level is not a JSON object")
+    return document
+
+
+def make_fresh_dir(path: Path) -> None:
+    """Create a directory that must not exist yet (a staging or quarantine directory)."""
+    os.mkdir(path, DIR_MODE)
+
+
+def _open_lock_file(state_dir: Path, name: str) -> int:
+    path = state_dir / name
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StateError(f"the state lock {path} must not be a symlink") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise StateError(f"the state lock {path} must be a regular file")
+    return fd
+
+
+def _release(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def generation_lock(state_dir: Path) -> Iterator[None]:
+    """Hold the generation lock; blocks while another process snapshots, restores or recovers."""
+    fd = _open_lock_file(state_dir, GENERATION_LOCK_NAME)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield
+    finally:
+        _release(fd)
+
+
+def acquire_use(state_dir: Path, *, exclusive: bool) -> int:
+    """Take ``.keel.lock`` without waiting and return its descriptor; raises StateBusy when held."""
+    fd = _open_lock_file(state_dir, USE_LOCK_NAME)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StateBusy(state_dir) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_use(fd: int) -> None:
+    _release(fd)
+
+
+@contextmanager
+def exclusive_use(state_dir: Path) -> Iterator[None]:
+    """Hold ``.keel.lock`` exclusively: no server is running, and none can start meanwhile."""
+    fd = acquire_use(state_dir, exclusive=True)
+    try:
+        yield
+    finally:
+        _release(fd)

@@ -1,0 +1,159 @@
+"""``python -m runtime state snapshot|restore|recover|reset``: the state directory's operator commands.
+
+This is the edge: it reads ``AGENT_STATE_DIR`` and ``AGENT_BACKUP_ROOT`` and passes plain paths
+down to persistence. Every failure prints ``error: <message>`` on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+from persistence.recovery import recover
+from persistence.restore import reset_state, restore_snapshot
+from persistence.snapshot import create_snapshot
+from persistence.statedir import StateError
+
+DEFAULT_STATE_DIR = ".state"
+DEFAULT_KEEP = 7
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    state = subparsers.add_parser(
+        "state",
+        help="snapshot, restore, recover or reset the state directory",
+        description="Snapshot, restore, recover or reset the state directory. "
+        "Stop every server before restore or reset.",
+    )
+    actions = state.add_subparsers(dest="state_command", required=True, metavar="ACTION")
+
+    snapshot = actions.add_parser(
+        "snapshot", help="write a consistent, hashed snapshot of every database (a server may keep running)"
+    )
+    _add_state_dir(snapshot)
+    snapshot.add_argument(
+        "--backup-root",
+        type=Path,
+        help="where snapshots go (default: $AGENT_BACKUP_ROOT, else a sibling of the state directory "
+        "named <state-dir>-backups, e.g. .state-backups; it must not be inside the state directory)",
+    )
+    snapshot.add_argument(
+        "--keep", type=_positive, default=DEFAULT_KEEP, help=f"complete snapshots to keep (default {DEFAULT_KEEP})"
+    )
+    snapshot.add_argument("--timestamp", help="the snapshot's name, like 20260131T235959Z (default: now, UTC)")
+    snapshot.set_defaults(func=_guarded(_snapshot))
+
+    restore = actions.add_parser(
+        "restore", help="replace the live databases with a snapshot's, all or nothing (servers must be stopped)"
+    )
+    restore.add_argument("snapshot", type=Path, metavar="SNAPSHOT", help="a published snapshot directory")
+    _add_state_dir(restore)
+    restore.set_defaults(func=_guarded(_restore))
+
+    recover_cmd = actions.add_parser(
+        "recover", help="finish or roll back an interrupted restore, or say why the state cannot be accounted for"
+    )
+    _add_state_dir(recover_cmd)
+    recover_cmd.set_defaults(func=_guarded(_recover))
+
+    reset = actions.add_parser("reset", help="remove all runtime state (refused while any process holds it)")
+    _add_state_dir(reset)
+    reset.set_defaults(func=_guarded(_reset))
+
+
+def _add_state_dir(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir", type=Path, help=f"the state directory (default: $AGENT_STATE_DIR, else {DEFAULT_STATE_DIR})"
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if not value:
+        raise _UsageError(f"{name} must not be empty; unset the variable to use its default")
+    return Path(value)
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    given: Path | None = args.state_dir
+    return given or _env_path("AGENT_STATE_DIR") or Path(DEFAULT_STATE_DIR)
+
+
+def _backup_root(args: argparse.Namespace, state_dir: Path) -> Path:
+    given: Path | None = args.backup_root
+    if given or (given := _env_path("AGENT_BACKUP_ROOT")):
+        return given
+    absolute = state_dir.absolute()
+    return absolute.parent / f"{absolute.name}-backups"
+
+
+def _app_version() -> str:
+    try:
+        return metadata.version("keel")
+    except metadata.PackageNotFoundError:
+        return "unknown"  # running from a source tree that was never installed
+
+
+def _guarded(command: Command) -> Command:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except (StateError, _UsageError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _snapshot(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    target = create_snapshot(
+        state_dir, _backup_root(args, state_dir), keep=args.keep, app_version=_app_version(), stamp=args.timestamp
+    )
+    print(target)
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    result = restore_snapshot(args.snapshot, state_dir)
+    print(
+        f"restored {', '.join(result.restored)} from {args.snapshot} into {state_dir} "
+        f"(transaction {result.transaction_id}; replaced {len(result.replaced)} files)"
+    )
+    return 0
+
+
+def _recover(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    print(f"{state_dir}: {recover(state_dir)}")
+    return 0
+
+
+def _reset(args: argparse.Namespace) -> int:
+    state_dir = _state_dir(args)
+    removed = reset_state(state_dir)
+    print(f"{state_dir}: removed {', '.join(removed)}" if removed else f"{state_dir}: nothing to remove")
+    return 0

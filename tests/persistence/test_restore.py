@@ -1,0 +1,302 @@
+"""Restore: validation before any mutation, the exact new generation, rollback, and the locks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from persistence.recovery import hold_state_dir
+from persistence.restore import reset_state, restore_snapshot
+from persistence.schema import SchemaIdentity
+from persistence.statedir import GENERATION_LOCK_NAME, RestoreError, SnapshotError, StateBusy, encode_document
+from tests.persistence.state_helpers import (
+    CHILD_TIMEOUT_S,
+    finish_child,
+    fingerprint,
+    labels,
+    make_damaged_db,
+    make_db,
+    new_snapshot,
+    old_generation,
+    residue,
+    snapshot_databases,
+    start_child,
+    wait_for_line,
+)
+
+
+def test_restore_publishes_exactly_the_snapshot_and_drops_old_files_and_sidecars(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    snapshot = new_snapshot(tmp_path)
+
+    result = restore_snapshot(snapshot, state_dir)
+
+    assert fingerprint(state_dir) == snapshot_databases(snapshot)  # no obsolete.db, no old -wal/-shm/-journal
+    assert result.restored == ("memory.db", "runtime.db", "tasks.db")
+    assert "runtime.db-wal" in result.replaced and "incidents.db-journal" in result.replaced
+    assert labels(state_dir / "tasks.db") == ["new-0", "new-1", "new-2", "new-3"]
+
+
+def test_restore_into_a_missing_state_dir_creates_it(tmp_path: Path) -> None:
+    snapshot = new_snapshot(tmp_path)
+    restore_snapshot(snapshot, tmp_path / "fresh" / "state")
+    assert fingerprint(tmp_path / "fresh" / "state") == snapshot_databases(snapshot)
+
+
+# -- every snapshot check runs before live state is touched ----------------------------------
+
+
+def rewrite_manifest(snapshot: Path, edit: Callable[[dict[str, object]], None]) -> None:
+    """Edit the manifest and sign it again, so the check after the signature is the one that fires."""
+    manifest = json.loads((snapshot / "manifest.json").read_bytes())
+    edit(manifest)
+    data = encode_document(manifest)
+    (snapshot / "manifest.json").write_bytes(data)
+    marker = {"format_version": 1, "manifest_sha256": hashlib.sha256(data).hexdigest()}
+    (snapshot / ".complete").write_bytes(encode_document(marker))
+
+
+def entry(manifest: dict[str, object], name: str) -> dict[str, object]:
+    databases = manifest["databases"]
+    assert isinstance(databases, list)
+    (found,) = (item for item in databases if item["filename"] == name)
+    assert isinstance(found, dict)
+    return found
+
+
+def hide(snapshot: Path) -> Path:
+    return snapshot.rename(snapshot.with_name("." + snapshot.name))
+
+
+def drop_marker(snapshot: Path) -> Path:
+    (snapshot / ".complete").unlink()
+    return snapshot
+
+
+def touch_manifest(snapshot: Path) -> Path:
+    (snapshot / "manifest.json").write_bytes((snapshot / "manifest.json").read_bytes() + b" ")
+    return snapshot
+
+
+def edit_manifest(edit: Callable[[dict[str, object]], None]) -> Callable[[Path], Path]:
+    def damage(snapshot: Path) -> Path:
+        rewrite_manifest(snapshot, edit)
+        return snapshot
+
+    return damage
+
+
+def future_marker(snapshot: Path) -> Path:
+    marker = json.loads((snapshot / ".complete").read_bytes())
+    (snapshot / ".complete").write_bytes(encode_document({**marker, "format_version": 2}))
+    return snapshot
+
+
+def flip_a_byte(snapshot: Path) -> Path:
+    data = bytearray((snapshot / "tasks.db").read_bytes())
+    data[-1] ^= 0xFF
+    (snapshot / "tasks.db").write_bytes(bytes(data))
+    return snapshot
+
+
+def swap_in(make: Callable[[Path], None]) -> Callable[[Path], Path]:
+    """Replace memory.db with another database and record its true hash and size."""
+
+    def damage(snapshot: Path) -> Path:
+        (snapshot / "memory.db").unlink()
+        make(snapshot / "memory.db")
+        data = (snapshot / "memory.db").read_bytes()
+
+        def edit(manifest: dict[str, object]) -> None:
+            entry(manifest, "memory.db").update(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+
+        rewrite_manifest(snapshot, edit)
+        return snapshot
+
+    return damage
+
+
+def remove_db(snapshot: Path) -> Path:
+    (snapshot / "memory.db").unlink()
+    return snapshot
+
+
+def add_db(snapshot: Path) -> Path:
+    shutil.copy(snapshot / "memory.db", snapshot / "extra.db")
+    return snapshot
+
+
+def future_schema(path: Path) -> None:
+    make_db(path, SchemaIdentity("keel.sessions", 99), "future")
+
+
+def duplicate(manifest: dict[str, object]) -> None:
+    databases = manifest["databases"]
+    assert isinstance(databases, list)
+    databases.append(dict(databases[0]))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (hide, "is hidden, so it was never published"),
+        (drop_marker, "is incomplete: it has no completion marker (.complete)"),
+        (touch_manifest, "Snapshot manifest hash does not match .complete"),
+        (future_marker, "uses snapshot format 2; this build reads format 1"),
+        (edit_manifest(lambda m: m.update(format_version=2)), "uses snapshot format 2; this build reads format 1"),
+        (edit_manifest(lambda m: m.update(comment="x")), "is not valid: the manifest has fields"),
+        (
+            edit_manifest(lambda m: entry(m, "tasks.db").update(filename="../tasks.db")),
+            "unsafe database filename: '../tasks.db'",
+        ),
+        (edit_manifest(duplicate), "repeats the database filename memory.db"),
+        (edit_manifest(lambda m: entry(m, "tasks.db").update(size_bytes=1)), "the manifest says 1"),
+        (flip_a_byte, "tasks.db does not match its SHA-256 in the manifest"),
+        (swap_in(make_damaged_db), "memory.db failed its integrity check: row 1 missing from index"),
+        (swap_in(future_schema), "has schema keel.sessions@99, which this build cannot use"),
+        (remove_db, "is missing memory.db, which its manifest lists"),
+        (add_db, "holds extra.db, which its manifest does not list"),
+    ],
+)
+def test_restore_refuses_a_bad_snapshot_before_touching_live_state(
+    tmp_path: Path, damage: Callable[[Path], Path], message: str
+) -> None:
+    state_dir = tmp_path / "state"
+    make_db(state_dir / "tasks.db", None, "live")
+    before = sorted(os.listdir(state_dir)), fingerprint(state_dir)
+    snapshot = damage(new_snapshot(tmp_path))
+
+    with pytest.raises(SnapshotError) as caught:
+        restore_snapshot(snapshot, state_dir)
+
+    assert message in str(caught.value)
+    assert (sorted(os.listdir(state_dir)), fingerprint(state_dir)) == before  # not even a lock file
+
+
+# -- failures after the journal is durable roll back ------------------------------------------
+
+
+def failing_second_publish(error: BaseException) -> Callable[[Path, Path], None]:
+    published = []
+
+    def rename(source: Path, target: Path) -> None:
+        if source.parent.name.startswith(".restore-staged."):
+            published.append(source.name)
+            if len(published) == 2:
+                raise error
+        os.replace(source, target)
+
+    return rename
+
+
+def test_restore_rolls_back_the_complete_generation_after_a_publication_failure(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    before = fingerprint(state_dir)
+
+    with pytest.raises(RestoreError, match="the previous generation is live again, byte for byte: disk full"):
+        restore_snapshot(new_snapshot(tmp_path), state_dir, rename=failing_second_publish(OSError("disk full")))
+
+    assert fingerprint(state_dir) == before
+    assert residue(state_dir) == []
+
+
+def test_restore_interrupted_by_keyboard_interrupt_rolls_back_and_reraises_it(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    before = fingerprint(state_dir)
+
+    with pytest.raises(KeyboardInterrupt):
+        restore_snapshot(new_snapshot(tmp_path), state_dir, rename=failing_second_publish(KeyboardInterrupt()))
+
+    assert fingerprint(state_dir) == before
+
+
+def test_restore_failing_before_its_journal_leaves_no_residue(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    before = fingerprint(state_dir)
+
+    def no_journal(source: Path, target: Path) -> None:
+        raise OSError("cannot publish the journal")
+
+    with pytest.raises(OSError, match="cannot publish the journal"):
+        restore_snapshot(new_snapshot(tmp_path), state_dir, rename=no_journal)
+
+    assert fingerprint(state_dir) == before
+    assert residue(state_dir) == []
+
+
+# -- locks ------------------------------------------------------------------------------------
+
+
+def test_restore_and_reset_refuse_while_a_process_holds_the_state_dir(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    before = fingerprint(state_dir)
+    snapshot = new_snapshot(tmp_path)
+
+    with hold_state_dir(state_dir):
+        busy = f"the state directory {state_dir} is in use by a running process; stop it first"
+        with pytest.raises(StateBusy, match=busy):
+            restore_snapshot(snapshot, state_dir)
+        with pytest.raises(StateBusy):
+            reset_state(state_dir)
+
+    assert fingerprint(state_dir) == before
+    restore_snapshot(snapshot, state_dir)
+    assert fingerprint(state_dir) == snapshot_databases(snapshot)
+
+
+def test_reset_removes_every_generation_and_residue_but_keeps_the_locks(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    (state_dir / ".restore-journal.json").write_text('{"phase":"prepared"}')
+    (state_dir / ".restore-staged.0123456789abcdef0123456789abcdef").mkdir()
+
+    removed = reset_state(state_dir)
+
+    assert removed[-1] == ".restore-journal.json"
+    assert fingerprint(state_dir) == {}
+    assert reset_state(tmp_path / "never-created") == []
+
+
+def blocked_on(lock: Path, pid: int) -> bool:
+    """Whether ``pid`` is queued for an flock on ``lock`` (a ``->`` line in /proc/locks)."""
+    inode = f":{os.stat(lock).st_ino} "
+    lines = Path("/proc/locks").read_text().splitlines()
+    return any("->" in line and " FLOCK " in f" {line} " and f" {pid} " in line and inode in line for line in lines)
+
+
+def test_concurrent_restores_from_two_processes_are_serialized_by_the_lock(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    first_snapshot = new_snapshot(tmp_path, stamp="20260102T030405Z", label="first")
+    second_snapshot = new_snapshot(tmp_path, stamp="20260102T030406Z", label="second")
+
+    first = start_child("pause-after-quarantine", first_snapshot, state_dir)
+    try:
+        wait_for_line(first, "paused")  # the first restore holds the lock, one file quarantined
+        during_first = fingerprint(state_dir)
+        second = start_child("restore", second_snapshot, state_dir)
+        lock = state_dir / GENERATION_LOCK_NAME
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while not blocked_on(lock, second.pid) and second.poll() is None and time.monotonic() < deadline:
+            pass
+        assert blocked_on(lock, second.pid), "the second restore is not waiting for the generation lock"
+        assert fingerprint(state_dir) == during_first  # and, waiting, it has written nothing
+    finally:
+        code, _, err = finish_child(first)
+    assert code == 0, err
+    code, _, err = finish_child(second)
+    assert code == 0, err
+    assert fingerprint(state_dir) == snapshot_databases(second_snapshot)
+    assert labels(state_dir / "tasks.db") == [f"second-{i}" for i in range(4)]

@@ -1,0 +1,146 @@
+"""Snapshots: consistent copies of live databases, a signed manifest, one publishing rename, retention."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from persistence.manifest import read_snapshot
+from persistence.schema import SchemaIdentity
+from persistence.snapshot import complete_snapshots, create_snapshot
+from persistence.statedir import RecoveryError, SnapshotError
+from tests.persistence.state_helpers import SESSIONS, TASKS, labels, make_damaged_db, make_db
+
+STAMP = "20260102T030405Z"
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    make_db(state / "runtime.db", SESSIONS, "live")
+    make_db(state / "tasks.db", TASKS, "live")
+    make_db(state / "foreign.db", None, "live")
+    return state
+
+
+def snap(state_dir: Path, stamp: str = STAMP, *, keep: int = 7) -> Path:
+    return create_snapshot(state_dir, state_dir.parent / "backups", keep=keep, app_version="1.2.3", stamp=stamp)
+
+
+def test_snapshot_records_a_signed_manifest_of_hashed_checked_databases(state_dir: Path) -> None:
+    snapshot = snap(state_dir)
+
+    manifest_bytes = (snapshot / "manifest.json").read_bytes()
+    marker = json.loads((snapshot / ".complete").read_bytes())
+    manifest = json.loads(manifest_bytes)
+    assert marker == {"format_version": 1, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+    assert manifest["format_version"] == 1 and manifest["created_at"].endswith("Z")
+    assert manifest["source"] == {"application": "keel", "version": "1.2.3"}
+    by_name = {entry["filename"]: entry for entry in manifest["databases"]}
+    assert by_name["runtime.db"]["schema"] == {"name": "keel.sessions", "version": 1}
+    assert by_name["tasks.db"]["schema"] == {"name": "keel.tasks", "version": 1}
+    assert by_name["foreign.db"]["schema"] is None
+    for name, entry in by_name.items():
+        data = (snapshot / name).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["size_bytes"] == len(data)
+        assert data[18:20] == b"\x01\x01"  # rollback-journal mode: the copy needs no -wal to be read
+    assert sorted(os.listdir(snapshot)) == [".complete", "foreign.db", "manifest.json", "runtime.db", "tasks.db"]
+    assert {entry.filename for entry in read_snapshot(snapshot).databases} == set(by_name)  # it validates
+    assert sorted(os.listdir(snapshot.parent)) == [STAMP]  # no staging and no stamp claim left behind
+
+
+def test_snapshot_copies_committed_rows_while_a_writer_is_mid_transaction(state_dir: Path) -> None:
+    writer = sqlite3.connect(state_dir / "tasks.db", isolation_level=None)
+    try:
+        writer.execute("PRAGMA journal_mode=WAL")
+        writer.execute("PRAGMA wal_autocheckpoint=0")  # committed rows stay in the -wal
+        writer.execute("INSERT INTO items (label) VALUES ('committed-in-wal')")
+        writer.execute("BEGIN IMMEDIATE")
+        writer.execute("INSERT INTO items (label) VALUES ('uncommitted')")
+        assert (state_dir / "tasks.db-wal").stat().st_size > 0
+
+        snapshot = snap(state_dir)
+    finally:
+        writer.close()
+
+    assert labels(snapshot / "tasks.db") == ["live-0", "live-1", "live-2", "committed-in-wal"]
+    assert not [name for name in os.listdir(snapshot) if name.endswith(("-wal", "-shm", "-journal"))]
+
+
+def test_snapshot_refuses_a_timestamp_that_already_exists(state_dir: Path) -> None:
+    first = snap(state_dir)
+    before = (first / "manifest.json").read_bytes()
+    with pytest.raises(SnapshotError, match=f"a snapshot named {STAMP} already exists"):
+        snap(state_dir)
+    assert (first / "manifest.json").read_bytes() == before
+
+
+def test_snapshot_refuses_a_timestamp_another_process_is_writing(state_dir: Path) -> None:
+    root = state_dir.parent / "backups"
+    root.mkdir()
+    # flock locks belong to open file descriptions, so this descriptor conflicts exactly as
+    # another process's would.
+    fd = os.open(root / f".snapshot-{STAMP}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(SnapshotError, match=f"another process is writing snapshot {STAMP}"):
+            snap(state_dir)
+    finally:
+        os.close(fd)
+    assert not (root / STAMP).exists()
+    assert snap(state_dir) == root / STAMP
+
+
+def test_snapshot_retention_keeps_the_newest_complete_snapshots_only(state_dir: Path) -> None:
+    root = state_dir.parent / "backups"
+    unfinished = root / "20250101T000000Z"
+    unfinished.mkdir(parents=True)  # no .complete: not a snapshot, never counted or pruned
+    for second in range(4):
+        snap(state_dir, f"20260102T03040{second}Z", keep=2)
+    assert [path.name for path in complete_snapshots(root)] == ["20260102T030402Z", "20260102T030403Z"]
+    assert unfinished.is_dir()
+
+
+def test_snapshot_refuses_a_database_that_fails_its_integrity_check(state_dir: Path) -> None:
+    make_damaged_db(state_dir / "broken.db")
+    with pytest.raises(SnapshotError, match=r"broken\.db failed its integrity check: row 1 missing from index"):
+        snap(state_dir)
+    assert os.listdir(state_dir.parent / "backups") == []
+
+
+def test_snapshot_refuses_a_schema_this_build_cannot_use(state_dir: Path) -> None:
+    make_db(state_dir / "future.db", SchemaIdentity("keel.tasks", 7), "future")
+    with pytest.raises(SnapshotError, match="has schema keel.tasks@7, which this build cannot use"):
+        snap(state_dir)
+
+
+def test_snapshot_refuses_a_missing_or_empty_state_dir(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError, match="does not exist"):
+        snap(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SnapshotError, match="holds no databases"):
+        snap(tmp_path / "empty")
+
+
+def test_snapshot_refuses_a_backup_root_inside_the_state_dir(state_dir: Path) -> None:
+    with pytest.raises(SnapshotError, match="is inside the state directory"):
+        create_snapshot(state_dir, state_dir / "backups", keep=1, app_version="1", stamp=STAMP)
+    assert not (state_dir / "backups").exists()
+
+
+def test_snapshot_runs_recovery_first_and_refuses_unaccountable_state(state_dir: Path) -> None:
+    (state_dir / ".restore-journal.json").write_text('{"phase":"prepared"}')
+    with pytest.raises(RecoveryError, match=r"^Restore journal is incomplete or has unsupported fields\.$"):
+        snap(state_dir)
+    assert not (state_dir.parent / "backups").exists()
+
+
+def test_snapshot_refuses_a_malformed_timestamp(state_dir: Path) -> None:
+    with pytest.raises(SnapshotError, match="must look like 20260131T235959Z"):
+        snap(state_dir, "../escape")

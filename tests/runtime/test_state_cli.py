@@ -1,0 +1,180 @@
+"""``python -m runtime state ...`` through real subprocesses on real state directories."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.persistence.state_helpers import (
+    CHILD_TIMEOUT_S,
+    SESSIONS,
+    TASKS,
+    fingerprint,
+    finish_child,
+    labels,
+    make_db,
+    new_snapshot,
+    old_generation,
+    run_child,
+    snapshot_databases,
+    start_child,
+    wait_for_line,
+)
+
+INCOMPLETE = "Restore journal is incomplete or has unsupported fields."
+
+
+def keel(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if k not in ("AGENT_STATE_DIR", "AGENT_BACKUP_ROOT")}
+    return subprocess.run(
+        [sys.executable, "-m", "runtime", *args],
+        cwd=cwd,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
+
+
+def live_state(cwd: Path) -> Path:
+    state = cwd / ".state"
+    make_db(state / "runtime.db", SESSIONS, "snapshotted")
+    make_db(state / "tasks.db", TASKS, "snapshotted")
+    return state
+
+
+def test_state_snapshot_then_restore_round_trips_with_default_paths(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+
+    snapshot = keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z")
+    assert snapshot.returncode == 0, snapshot.stderr
+    path = Path(snapshot.stdout.strip())
+    assert path == tmp_path / ".state-backups" / "20260102T030405Z"  # a sibling, never inside the state dir
+    (state / "tasks.db").unlink()
+    make_db(state / "tasks.db", TASKS, "changed")
+
+    restore = keel(tmp_path, "state", "restore", str(path))
+
+    assert restore.returncode == 0, restore.stderr
+    assert "restored runtime.db, tasks.db" in restore.stdout
+    assert fingerprint(state) == snapshot_databases(path)
+    assert labels(state / "tasks.db") == ["snapshotted-0", "snapshotted-1", "snapshotted-2"]
+
+
+def test_state_commands_read_the_state_dir_and_backup_root_from_the_environment(tmp_path: Path) -> None:
+    state = tmp_path / "elsewhere" / "state"
+    make_db(state / "tasks.db", TASKS, "env")
+    env = {"AGENT_STATE_DIR": str(state), "AGENT_BACKUP_ROOT": str(tmp_path / "vault")}
+
+    result = keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z", **env)
+
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == tmp_path / "vault" / "20260102T030405Z"
+    empty = keel(tmp_path, "state", "recover", AGENT_STATE_DIR="")
+    assert empty.returncode == 1
+    assert "AGENT_STATE_DIR must not be empty; unset the variable to use its default" in empty.stderr
+
+
+def test_state_commands_refuse_a_planted_incomplete_journal_until_it_is_removed(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    journal = state / ".restore-journal.json"
+    journal.write_text('{"phase":"prepared"}')
+
+    for command in (["recover"], ["snapshot"], ["restore", str(tmp_path / "any")]):
+        refused = keel(tmp_path, "state", *command, "--state-dir", str(state))
+        assert refused.returncode == 1, command
+        if command[0] != "restore":  # restore validates its snapshot first, and this one is absent
+            assert refused.stderr.strip() == f"error: {INCOMPLETE}"
+    assert journal.read_text() == '{"phase":"prepared"}'
+
+    journal.unlink()
+    recovered = keel(tmp_path, "state", "recover", "--state-dir", str(state))
+    assert recovered.returncode == 0, recovered.stderr
+    assert "nothing to recover" in recovered.stdout
+
+
+def test_state_restore_refuses_a_planted_incomplete_journal_with_a_valid_snapshot(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    snapshot = new_snapshot(tmp_path)
+    (state / ".restore-journal.json").write_text('{"phase":"prepared"}')
+    before = fingerprint(state)
+
+    refused = keel(tmp_path, "state", "restore", str(snapshot), "--state-dir", str(state))
+
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == f"error: {INCOMPLETE}"
+    assert fingerprint(state) == before
+
+
+def test_state_restore_and_reset_refuse_while_a_process_holds_the_state_dir(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    old_generation(state)
+    snapshot = new_snapshot(tmp_path)
+    before = fingerprint(state)
+
+    holder = start_child("hold", snapshot, state)
+    try:
+        wait_for_line(holder, "held")
+        for command in (["restore", str(snapshot)], ["reset"]):
+            refused = keel(tmp_path, "state", *command, "--state-dir", str(state))
+            assert refused.returncode == 1
+            assert f"the state directory {state} is in use by a running process; stop it first" in refused.stderr
+        assert fingerprint(state) == before
+        running = keel(tmp_path, "state", "snapshot", "--state-dir", str(state), "--backup-root", str(tmp_path / "b"))
+        assert running.returncode == 0, running.stderr  # a snapshot may run beside a server
+    finally:
+        code, _, err = finish_child(holder)
+    assert code == 0, err
+
+    reset = keel(tmp_path, "state", "reset", "--state-dir", str(state))
+    assert reset.returncode == 0, reset.stderr
+    assert fingerprint(state) == {}
+
+
+def test_state_recover_rolls_back_a_restore_killed_mid_quarantine(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    old_generation(state)
+    before = fingerprint(state)
+    snapshot = new_snapshot(tmp_path)
+    assert run_child("after-quarantine", snapshot, state).returncode == 71
+
+    recovered = keel(tmp_path, "state", "recover", "--state-dir", str(state))
+
+    assert recovered.returncode == 0, recovered.stderr
+    assert "rolled back restore" in recovered.stdout
+    assert fingerprint(state) == before
+
+
+def test_state_restore_reports_a_damaged_snapshot_and_changes_nothing(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    snapshot = new_snapshot(tmp_path)
+    (snapshot / "manifest.json").write_bytes((snapshot / "manifest.json").read_bytes() + b"\n")
+    before = fingerprint(state)
+
+    refused = keel(tmp_path, "state", "restore", str(snapshot))
+
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == f"error: Snapshot manifest hash does not match .complete: {snapshot}"
+    assert fingerprint(state) == before
+
+
+def test_state_snapshot_refuses_a_taken_timestamp(tmp_path: Path) -> None:
+    live_state(tmp_path)
+    assert keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z").returncode == 0
+    again = keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z")
+    assert again.returncode == 1
+    assert "a snapshot named 20260102T030405Z already exists" in again.stderr
+
+
+@pytest.mark.parametrize(
+    ("keep", "message"), [("0", "must be at least 1, got 0"), ("many", "must be an integer, got 'many'")]
+)
+def test_state_snapshot_rejects_a_bad_keep(tmp_path: Path, keep: str, message: str) -> None:
+    result = keel(tmp_path, "state", "snapshot", "--keep", keep)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / ".state-backups").exists()
