@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import os
-import stat
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -24,20 +23,25 @@ from persistence.journal import (
     STAGING_PREFIX,
     TEMP_NAME,
     Journal,
-    Rename,
     UnreadableJournal,
     parse_journal_file,
     publish_journal,
     temp_name,
 )
+from persistence.rollback import (
+    by_name,
+    dir_evidence,
+    discard_unpublished,
+    execute_rollback,
+    plan_rollback,
+    roll_forward,
+)
 from persistence.statedir import (
     DIR_MODE,
     RESIDUE_PREFIX,
-    FileEvidence,
     RecoveryError,
     acquire_use,
     exclusive_use,
-    file_evidence,
     fsync_dir,
     generation_lock,
     live_inventory,
@@ -179,7 +183,7 @@ def _recover_unpublished(state_dir: Path, residue: list[str]) -> RecoveryOutcome
             f"The unpublished restore journal in {state_dir} does not own its exact residue: "
             f"expected {sorted(expected)}, found {residue}"
         )
-    if _dir_evidence(state_dir / (QUARANTINE_PREFIX + txid)):
+    if dir_evidence(state_dir / (QUARANTINE_PREFIX + txid)):
         raise RecoveryError(
             f"Restore residue in {state_dir} shows the old generation being moved aside, but no journal "
             "was ever published; recovery refuses to guess"
@@ -198,8 +202,8 @@ def _recover_unpublished(state_dir: Path, residue: list[str]) -> RecoveryOutcome
         raise RecoveryError(
             f"Live state in {state_dir} differs from the old generation recorded in {temp}; recovery refuses to guess"
         )
-    staged = _dir_evidence(state_dir / journal.staging_dir)
-    if staged != _by_name(journal.new_inventory) or not (state_dir / journal.quarantine_dir).is_dir():
+    staged = dir_evidence(state_dir / journal.staging_dir)
+    if staged != by_name(journal.new_inventory) or not (state_dir / journal.quarantine_dir).is_dir():
         # Its staging was already being taken apart (a failed restore unwinding); live state is
         # verified to be the old generation, so there is nothing to roll back.
         discard_unpublished(state_dir, txid)
@@ -209,26 +213,6 @@ def _recover_unpublished(state_dir: Path, residue: list[str]) -> RecoveryOutcome
     return _recover_journal(state_dir, journal, sorted(set(residue) - {temp.name} | {JOURNAL_NAME}))
 
 
-def _dir_evidence(path: Path) -> dict[str, FileEvidence]:
-    """The evidence of every file in a staging or quarantine directory; absent means empty."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return {}
-    if not stat.S_ISDIR(info.st_mode):
-        raise RecoveryError(f"Restore residue {path} must be a directory; recovery refuses to guess")
-    try:
-        return {name: file_evidence(path / name) for name in sorted(os.listdir(path))}
-    except (OSError, ValueError) as exc:
-        raise RecoveryError(
-            f"Restore recovery cannot verify the evidence in {path} ({exc}); refusing to guess"
-        ) from exc
-
-
-def _by_name(inventory: tuple[FileEvidence, ...]) -> dict[str, FileEvidence]:
-    return {evidence.filename: evidence for evidence in inventory}
-
-
 def _check_prepared_evidence(state_dir: Path, journal: Journal) -> None:
     """A prepared journal promises a complete staging and a quarantine directory; check both."""
     for name in (journal.staging_dir, journal.quarantine_dir):
@@ -236,116 +220,12 @@ def _check_prepared_evidence(state_dir: Path, journal: Journal) -> None:
             raise RecoveryError(
                 f"Restore recovery is missing {name}, which the prepared journal records; refusing to guess."
             )
-    new = _by_name(journal.new_inventory)
-    staged = _dir_evidence(state_dir / journal.staging_dir)
+    new = by_name(journal.new_inventory)
+    staged = dir_evidence(state_dir / journal.staging_dir)
     for name, evidence in staged.items():
         if new.get(name) != evidence:
             raise RecoveryError(f"Restore recovery cannot match staged evidence for {name} to the new generation.")
-    live = _by_name(live_inventory(state_dir))
+    live = by_name(live_inventory(state_dir))
     for name, evidence in new.items():
         if staged.get(name) != evidence and live.get(name) != evidence:
             raise RecoveryError(f"Restore recovery is missing prepared new evidence for {name}.")
-
-
-@attrs.frozen
-class RollbackPlan:
-    remove: tuple[str, ...]  # live files that are the new generation's
-    put_back: tuple[str, ...]  # quarantined files of the old generation
-
-
-def plan_rollback(state_dir: Path, journal: Journal) -> RollbackPlan:
-    """Verify that the old generation can be put back byte for byte; raises before anything moves."""
-    old, new = _by_name(journal.old_inventory), _by_name(journal.new_inventory)
-    quarantined = _dir_evidence(state_dir / journal.quarantine_dir)
-    live = _by_name(live_inventory(state_dir))
-    remove = []
-    for name, evidence in live.items():
-        if old.get(name) == evidence and name not in quarantined:
-            continue  # never moved aside
-        if new.get(name) != evidence:
-            raise RecoveryError(
-                f"Restore recovery found live state outside both recorded generations: {name}; refusing to remove it."
-            )
-        remove.append(name)
-    for name, evidence in quarantined.items():
-        if old.get(name) != evidence:
-            raise RecoveryError(f"Restore recovery cannot match quarantined evidence for {name} to the old generation.")
-    for name, evidence in old.items():
-        if name not in quarantined and live.get(name) != evidence:
-            raise RecoveryError(f"Restore recovery is missing byte-identical old evidence for {name}.")
-    return RollbackPlan(remove=tuple(remove), put_back=tuple(quarantined))
-
-
-def execute_rollback(state_dir: Path, journal: Journal, plan: RollbackPlan, *, rename: Rename) -> None:
-    """Remove the new files, move the old ones back (fsyncing both directories each time), verify, clean up."""
-    for name in plan.remove:
-        (state_dir / name).unlink()
-        fsync_dir(state_dir)
-    quarantine = state_dir / journal.quarantine_dir
-    for name in plan.put_back:
-        rename(quarantine / name, state_dir / name)
-        fsync_dir(quarantine)
-        fsync_dir(state_dir)
-    assert_live(state_dir, journal.old_inventory, "old")
-    cleanup(state_dir, journal)
-
-
-def roll_back(state_dir: Path, journal: Journal, *, rename: Rename) -> None:
-    execute_rollback(state_dir, journal, plan_rollback(state_dir, journal), rename=rename)
-
-
-def roll_forward(state_dir: Path, journal: Journal) -> None:
-    """Finish a committed restore: the new generation must be live exactly; then clean up."""
-    if staged := _dir_evidence(state_dir / journal.staging_dir):
-        raise RecoveryError(
-            f"Restore recovery found staged files after the commit: {', '.join(staged)}; refusing to guess."
-        )
-    old = _by_name(journal.old_inventory)
-    for name, evidence in _dir_evidence(state_dir / journal.quarantine_dir).items():
-        if old.get(name) != evidence:
-            raise RecoveryError(f"Restore recovery cannot match quarantined evidence for {name} to the old generation.")
-    assert_live(state_dir, journal.new_inventory, "committed")
-    cleanup(state_dir, journal)
-
-
-def assert_live(state_dir: Path, expected: tuple[FileEvidence, ...], which: str) -> None:
-    """The live generation must be exactly ``expected``: the same names, the same bytes."""
-    live = _by_name(live_inventory(state_dir))
-    want = _by_name(expected)
-    problems = [f"missing {name}" for name in sorted(want.keys() - live.keys())]
-    problems += [f"unexpected {name}" for name in sorted(live.keys() - want.keys())]
-    problems += [f"changed {name}" for name in sorted(want.keys() & live.keys()) if want[name] != live[name]]
-    if problems:
-        raise RecoveryError(f"Restore {which} generation inventory mismatch in {state_dir}: {', '.join(problems)}")
-
-
-def _remove_dir(path: Path) -> None:
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(info.st_mode):
-        for name in os.listdir(path):
-            (path / name).unlink()
-        path.rmdir()
-    else:
-        path.unlink()
-
-
-def discard_unpublished(state_dir: Path, transaction_id: str) -> None:
-    """Remove a transaction that never published a journal; its temp goes last."""
-    _remove_dir(state_dir / (STAGING_PREFIX + transaction_id))
-    _remove_dir(state_dir / (QUARANTINE_PREFIX + transaction_id))
-    fsync_dir(state_dir)
-    (state_dir / temp_name(transaction_id)).unlink(missing_ok=True)
-    fsync_dir(state_dir)
-
-
-def cleanup(state_dir: Path, journal: Journal) -> None:
-    """Remove staging, quarantine and any temp, then (durably) the journal, last."""
-    _remove_dir(state_dir / journal.staging_dir)
-    _remove_dir(state_dir / journal.quarantine_dir)
-    (state_dir / temp_name(journal.transaction_id)).unlink(missing_ok=True)
-    fsync_dir(state_dir)
-    (state_dir / JOURNAL_NAME).unlink(missing_ok=True)
-    fsync_dir(state_dir)

@@ -29,7 +29,8 @@ import attrs
 from persistence.journal import JOURNAL_NAME, QUARANTINE_PREFIX, STAGING_PREFIX, Journal, Rename, new_transaction_id
 from persistence.journal import publish_journal, stage_journal
 from persistence.manifest import Manifest, read_snapshot
-from persistence.recovery import assert_live, cleanup, discard_unpublished, recover_locked, roll_back
+from persistence.recovery import recover_locked
+from persistence.rollback import assert_live, cleanup, discard_unpublished, roll_back
 from persistence.statedir import (
     DIR_MODE,
     DOCUMENT_MODE,
