@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 # Each command module exposes ``add_parser(subparsers)``; the parser it adds sets
 # ``func`` to a callable taking the parsed namespace and returning an exit code.
-COMMAND_MODULES: tuple[str, ...] = ("runtime.state_cli",)
+COMMAND_MODULES: tuple[str, ...] = ("runtime.serve_cli", "runtime.state_cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,24 +38,31 @@ class Setting:
     secret: bool = False
 
 
+def _whole(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ValueError(what)
+    return value
+
+
 def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise ValueError("a port is a whole number from 1 to 65535")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError("it must be a number of seconds greater than 0")
-    return value
+    return _whole(text, 0, 65535, "a port is a whole number from 1 to 65535 (0 picks any free port)")
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("it must be a whole number of at least 1")
+    return _whole(text, 1, 1_000_000, "it must be a whole number of at least 1")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError("it must be a number of seconds greater than 0")
     return value
 
 

@@ -1,0 +1,71 @@
+"""The agent Keel serves by default, and its card."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from importlib import metadata
+from typing import Any
+
+from protocol import AgentCapabilities, AgentCard, AgentInterface, AgentSkill
+from runtime.agent import AgentSpec, Tool
+
+SYSTEM_PROMPT = (
+    "You are Keel, a careful assistant. Answer plainly and briefly. Use a tool when it gives you a fact "
+    "you do not have; never invent one."
+)
+
+
+async def _clock(_arguments: dict[str, Any]) -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+CLOCK = Tool(
+    name="clock",
+    description="The current date and time in UTC, ISO 8601.",
+    parameters={"type": "object", "properties": {}, "additionalProperties": False},
+    invoke=_clock,
+    timeout_s=5,
+)
+
+
+def default_agent(*, max_model_calls: int) -> AgentSpec:
+    # steer_continuations=1: a steer that arrives while the answer is being written still
+    # gets one more step (within the budget) rather than being left for the next turn.
+    return AgentSpec(
+        system_prompt=SYSTEM_PROMPT,
+        tools=(CLOCK,),
+        max_steps=max_model_calls,
+        max_model_calls=max_model_calls,
+        steer_continuations=1,
+    )
+
+
+def app_version() -> str:
+    try:
+        return metadata.version("keel")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def agent_card(url: str) -> AgentCard:
+    """What clients learn at /.well-known/agent-card.json. It never carries the system prompt."""
+    return AgentCard(
+        name="Keel",
+        description="A durable agent: conversations and tasks survive restarts, and a working run can be steered or canceled.",
+        version=app_version(),
+        supported_interfaces=(
+            AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="1.0"),
+            AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="0.3"),
+        ),
+        capabilities=AgentCapabilities(streaming=True, push_notifications=False),
+        default_input_modes=("text/plain",),
+        default_output_modes=("text/plain",),
+        skills=(
+            AgentSkill(
+                id="conversation",
+                name="Conversation",
+                description="Answers questions in a conversation that can be resumed, steered and canceled.",
+                tags=("chat", "durable"),
+            ),
+        ),
+    )

@@ -1,0 +1,103 @@
+"""``python -m runtime serve`` and ``python -m runtime check``: the edge where Config is built."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import trio
+
+from persistence.errors import StoreError
+from runtime.config import SETTINGS, Config, ConfigError
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve the agent over A2A until SIGTERM or SIGINT",
+        description="Serve the agent over A2A (JSON-RPC, protocol 1.0 and 0.3). Each flag overrides its "
+        "environment variable. SIGTERM or SIGINT: stop accepting, let runs finish for the drain "
+        "timeout, cancel the rest, exit 0.",
+    )
+    _add_setting_flags(serve)
+    serve.set_defaults(func=_serve)
+    check = subparsers.add_parser(
+        "check", help="validate the configuration and print every problem at once (exit 1 if any)"
+    )
+    _add_setting_flags(check)
+    check.set_defaults(func=_check)
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    for setting in SETTINGS:
+        if setting.flag is not None:
+            parser.add_argument(setting.flag, dest=setting.field, metavar="VALUE", help=f"{setting.help} (${setting.env})")
+
+
+def _load(args: argparse.Namespace) -> Config:
+    flags = {s.field: getattr(args, s.field, None) for s in SETTINGS if s.flag is not None}
+    return Config.load(os.environ, flags)
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        config = _load(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    shown: dict[str, Any] = {s.field: getattr(config, s.field) for s in SETTINGS}
+    for setting in SETTINGS:
+        value = shown[setting.field]
+        if setting.secret:
+            value = "(not set)" if value is None else "(set)"
+        print(f"{setting.env}={value}")
+    print("configuration ok")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = _load(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failures: list[BaseException] = []
+    try:
+        trio.run(_main, config)
+    except* (StoreError, OSError) as group:  # startup refused: say why, no traceback
+        failures.extend(group.exceptions)
+    for exc in failures:
+        print(f"error: {exc}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+async def _main(config: Config) -> None:
+    from runtime.server import serve  # imported here: `check` must work without the server's imports
+
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
+
+        async def server(*, task_status: trio.TaskStatus[Any]) -> None:
+            try:
+                await serve(config, shutdown, task_status=task_status)
+            finally:
+                nursery.cancel_scope.cancel()  # the signal watcher is all that is left
+
+        started = await nursery.start(server)
+        print(f"keel serving A2A at {started.url} (state in {config.state_dir})", flush=True)
+
+
+async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
+    """The first SIGTERM or SIGINT starts a graceful shutdown; a second one stops at once."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            if shutdown.is_set():
+                logging.getLogger(__name__).warning("second %s: stopping now", signal.Signals(signum).name)
+                scope.cancel()
+            shutdown.set()

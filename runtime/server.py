@@ -1,0 +1,136 @@
+"""The root nursery and its startup order (DESIGN.md, "One process, one nursery").
+
+1. recovery of an interrupted restore (a state it cannot account for stops everything);
+2. the state directory, created only now, and held so that no restore runs under us;
+3. preflight, read-only: databases this build cannot use are refused before anything is written;
+4. (the dataset step arrives with the incident agent);
+5. the session and task stores, migrated, with their group-commit writers in this nursery;
+6. the runner, which adopts what a dead process left running;
+7. the A2A surface on hypercorn; /healthz answers ready only from here on.
+
+Shutdown (``shutdown`` set, e.g. by SIGTERM): stop accepting, give runs ``drain_timeout_s`` to
+finish, cancel the rest (each writes its terminal state), close the stores.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import attrs
+import hypercorn
+import hypercorn.trio
+import trio
+
+from persistence.recovery import hold_state_dir
+from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore
+from persistence.sqlite import inspect
+from persistence.tasks import TASKS_SCHEMA, SqliteTaskStore
+from runtime.agent import AgentSpec
+from runtime.agents import agent_card, default_agent
+from runtime.config import Config
+from runtime.models import ModelConfig, open_model_client
+from runtime.runner import Runner, RunnerConfig
+from runtime.surface import Health, Readiness, create_app
+
+logger = logging.getLogger(__name__)
+
+SESSIONS_FILE = "runtime.db"
+TASKS_FILE = "tasks.db"
+
+
+@attrs.frozen
+class Started:
+    """What ``serve`` reports once it answers: where it listens."""
+
+    binds: tuple[str, ...]
+
+    @property
+    def url(self) -> str:
+        return self.binds[0] + "/"
+
+
+def preflight(state_dir: Path) -> None:
+    """Refuse databases this build cannot use, reading only. Blocking: run it in a thread."""
+    inspect(state_dir / SESSIONS_FILE, SESSIONS_SCHEMA)
+    inspect(state_dir / TASKS_FILE, TASKS_SCHEMA)
+
+
+async def serve(
+    config: Config,
+    shutdown: trio.Event,
+    *,
+    agent: AgentSpec | None = None,
+    task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run Keel until ``shutdown`` is set, then drain and return.
+
+    Raises RecoveryError, StateBusy or SchemaError before anything is served when the state
+    directory cannot be used; the CLI turns those into a message and a non-zero exit.
+    """
+    agent = agent or default_agent(max_model_calls=config.max_model_calls)
+    held = await trio.to_thread.run_sync(hold_state_dir, config.state_dir)  # steps 1 and 2
+    logger.info("state %s: %s", config.state_dir, held.outcome)
+    try:
+        await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
+        async with trio.open_nursery() as nursery:
+            await _serve_in(nursery, config, agent, shutdown, task_status)
+    finally:
+        held.release()
+
+
+async def _serve_in(
+    nursery: trio.Nursery, config: Config, agent: AgentSpec, shutdown: trio.Event, task_status: trio.TaskStatus[Started]
+) -> None:
+    state_dir = config.state_dir
+    sessions = await SqliteSessionStore.open(state_dir / SESSIONS_FILE)  # step 5
+    tasks = await SqliteTaskStore.open(state_dir / TASKS_FILE)
+    try:
+        await nursery.start(sessions.run)
+        await nursery.start(tasks.run)
+        model_config = ModelConfig(base_url=config.model_base_url, model=config.model, api_key=config.model_api_key)
+        async with open_model_client(model_config) as model:
+            runner_config = RunnerConfig(
+                orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s
+            )
+            runner: Runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
+            readiness = Readiness()
+            health = Health(state_dir=state_dir, model=model)
+            http_done = trio.Event()
+
+            async def stop_accepting() -> None:
+                await shutdown.wait()
+                logger.info("shutting down: no new tasks; runs have %g s to finish", config.drain_timeout_s)
+                runner.stop()
+
+            async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+                try:
+                    await hypercorn.trio.serve(
+                        create_app(runner=runner, card_for=agent_card, health=health, readiness=readiness),
+                        _http_config(config),
+                        shutdown_trigger=stop_accepting,
+                        task_status=task_status,
+                    )
+                finally:
+                    http_done.set()
+
+            binds = await nursery.start(http)  # step 7
+            readiness.set()
+            task_status.started(Started(binds=tuple(binds)))
+            await http_done.wait()
+            runner.stop()
+            await runner.wait_stopped()
+    finally:
+        with trio.move_on_after(config.cleanup_timeout_s, shield=True):
+            await tasks.aclose()
+            await sessions.aclose()
+
+
+def _http_config(config: Config) -> hypercorn.Config:
+    http = hypercorn.Config()
+    http.bind = [f"{config.host}:{config.port}"]
+    http.accesslog = None
+    # Streams of running tasks end as the runner drains them; give them that long and a little.
+    http.graceful_timeout = config.drain_timeout_s + config.cleanup_timeout_s + 1
+    return http
+
