@@ -1,0 +1,71 @@
+"""Configuration: built at the edge, every problem reported at once, secrets never shown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.config import Config, ConfigError
+
+
+def test_config_defaults_match_a_local_ollama() -> None:
+    config = Config.load({})
+    assert (config.host, config.port, config.state_dir) == ("127.0.0.1", 8080, Path(".state"))
+    assert (config.model_base_url, config.model) == ("http://127.0.0.1:11434/v1", "qwen3:4b-instruct")
+    assert (config.drain_timeout_s, config.max_model_calls, config.orphans) == (10.0, 12, "resume")
+
+
+def test_config_flags_override_their_environment_variables() -> None:
+    env = {"AGENT_PORT": "9001", "AGENT_MODEL": "from-env", "AGENT_MAX_MODEL_CALLS": "3"}
+    config = Config.load(env, {"port": "9002", "model": None})
+    assert (config.port, config.model, config.max_model_calls) == (9002, "from-env", 3)
+
+
+def test_config_reports_every_problem_at_once_and_hides_secrets() -> None:
+    env = {
+        "AGENT_PORT": "eighty",
+        "AGENT_DRAIN_TIMEOUT_S": "-1",
+        "AGENT_ORPHANS": "ignore",
+        "AGENT_MODEL_BASE_URL": "ftp://models",
+        "AGENT_MODEL_API_KEY": " ",
+        "AGENT_MODLE": "typo",
+    }
+    with pytest.raises(ConfigError) as caught:
+        Config.load(env)
+    problems = caught.value.problems
+    assert len(problems) == 6
+    text = str(caught.value)
+    for words in ("AGENT_PORT='eighty'", "AGENT_DRAIN_TIMEOUT_S", "resume, fail", "http:// or https://", "did you mean AGENT_MODEL?"):
+        assert words in text
+    assert "AGENT_MODEL_API_KEY=(hidden)" in text
+
+
+def test_config_never_prints_the_api_key() -> None:
+    config = Config.load({"AGENT_MODEL_API_KEY": "sk-very-secret"})
+    assert config.model_api_key == "sk-very-secret"
+    assert "sk-very-secret" not in repr(config)
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
+    return subprocess.run(
+        [sys.executable, "-m", "runtime", *args], env={**clean, **env}, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_check_command_prints_every_problem_and_exits_1() -> None:
+    result = run_cli("check", "--port", "0x50", env={"AGENT_MAX_MODEL_CALLS": "0", "AGENT_MODEL_API_KEY": "sk-secret-1"})
+    assert result.returncode == 1
+    assert "--port='0x50'" in result.stderr and "AGENT_MAX_MODEL_CALLS='0'" in result.stderr
+    assert "sk-secret-1" not in result.stderr + result.stdout
+
+
+def test_check_command_accepts_a_good_configuration_without_echoing_secrets() -> None:
+    result = run_cli("check", env={"AGENT_MODEL_API_KEY": "sk-secret-2", "AGENT_PORT": "8181"})
+    assert result.returncode == 0, result.stderr
+    assert "AGENT_PORT=8181" in result.stdout and "AGENT_MODEL_API_KEY=(set)" in result.stdout
+    assert "sk-secret-2" not in result.stdout + result.stderr
