@@ -38,7 +38,6 @@ def _v1(conn: sqlite3.Connection) -> None:
             app_name TEXT NOT NULL,
             user_id TEXT NOT NULL,
             state TEXT NOT NULL DEFAULT '{}',
-            length INTEGER NOT NULL DEFAULT 0,      -- how many events; the next seq
             created_at_ms INTEGER NOT NULL,
             updated_at_ms INTEGER NOT NULL
         );
@@ -86,7 +85,14 @@ def _ensure_txn(conn: sqlite3.Connection, session_id: str, app_name: str, user_i
         " ON CONFLICT (session_id) DO NOTHING",
         (session_id, app_name, user_id, now, now),
     )
-    (length,) = conn.execute("SELECT length FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+    return _length_txn(conn, session_id)
+
+
+def _length_txn(conn: sqlite3.Connection, session_id: str) -> int:
+    # One seek in the primary key's index: a session's length is where its events end.
+    (length,) = conn.execute(
+        "SELECT coalesce(max(seq) + 1, 0) FROM events WHERE session_id = ?", (session_id,)
+    ).fetchone()
     return int(length)
 
 
@@ -94,14 +100,13 @@ def _ensure_txn(conn: sqlite3.Connection, session_id: str, app_name: str, user_i
 class SessionLengths:
     """Session lengths as the writer's connection knows them, so that an append is one INSERT.
 
-    Batch hooks of the group-commit writer; touched only in the pool's thread. The cache is
+    Batch hooks of the group-commit writer; touched only in the pool's thread. The lengths are
     trusted only while no other connection has committed (``PRAGMA data_version`` changes when
-    one has), and new lengths reach the sessions table once per batch, before COMMIT.
+    one has). In a batch's fast path the events are inserted together, before COMMIT.
     """
 
     data_version: int | None = None
     known: dict[str, int] = attrs.field(factory=dict)
-    dirty: dict[str, int] = attrs.field(factory=dict)  # grown in this batch: written by finish()
     rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
     careful: bool = False  # a savepoint per write: insert at once, inside it
     now: int = 0
@@ -111,7 +116,6 @@ class SessionLengths:
         if version != self.data_version:
             self.known.clear()
             self.data_version = version
-        self.dirty.clear()
         self.rows.clear()
         self.careful = careful
         self.now = now_ms()
@@ -124,37 +128,30 @@ class SessionLengths:
 
     def finish(self, conn: sqlite3.Connection) -> None:
         self.flush(conn)
-        if self.dirty:
-            conn.executemany(
-                "UPDATE sessions SET length = ?, updated_at_ms = ? WHERE session_id = ?",
-                [(length, self.now, session_id) for session_id, length in self.dirty.items()],
-            )
 
     def abort(self) -> None:
         self.data_version = None
         self.known.clear()
-        self.dirty.clear()
         self.rows.clear()
 
     def item_failed(self) -> None:
-        # The failed write may have created a session row that its savepoint undid.
+        # The failed write may have created a session row, or taken positions, that its
+        # savepoint undid; in careful mode the table itself is accurate, so ask it again.
         self.known.clear()
 
     def length(self, conn: sqlite3.Connection, session_id: str) -> int:
-        length = self.dirty.get(session_id)
-        if length is None:
-            length = self.known.get(session_id)
+        length = self.known.get(session_id)
         if length is None:
             length = self.known[session_id] = _ensure_txn(conn, session_id, DEFAULT_APP_NAME, "", self.now)
         return length
 
     def insert(self, conn: sqlite3.Connection, session_id: str, at: int, author: str, contents: Sequence[str]) -> None:
         """Write events at positions at, at+1, ...: queued for one INSERT of the whole batch, or
-        at once in careful mode. The session's length follows at finish()."""
+        at once in careful mode."""
         self.rows.extend((session_id, at + i, author, self.now, content) for i, content in enumerate(contents))
         if self.careful:
             self.flush(conn)
-        self.known[session_id] = self.dirty[session_id] = at + len(contents)
+        self.known[session_id] = at + len(contents)
 
 
 _INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
@@ -241,10 +238,7 @@ class SqliteSessionStore(WriterBacked):
         return [Event(seq=seq, author=author, created_at_ms=at, content=content) for seq, author, at, content in rows]
 
     async def length(self, session_id: str) -> int:
-        row = await self.pool.run(
-            lambda conn: conn.execute("SELECT length FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
-        )
-        return 0 if row is None else int(row[0])
+        return await self.pool.run(_length_txn, session_id)
 
     async def messages(self, session_id: str) -> list[Message]:
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
