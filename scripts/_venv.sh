@@ -1,5 +1,5 @@
-# Sourced by scripts/serve and scripts/test: creates or refreshes .venv, installs
-# the project (and the extras named in KEEL_EXTRAS) only when pyproject.toml changed.
+# Sourced by scripts/serve and scripts/test: creates .venv on first use and installs the project
+# (with the extras named in KEEL_EXTRAS) again only when pyproject.toml has changed since.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
@@ -8,13 +8,14 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 extras=${KEEL_EXTRAS:-}
-stamp="$venv/.keel-installed"
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) [$extras]"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+hash=$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)
+stamp="$venv/.keel-installed-${extras:-base}"
+# An install with extras also satisfies a plain one.
+if ! grep -qsx "$hash" "$stamp" && { [ -n "$extras" ] || ! grep -qsx "$hash" "$venv"/.keel-installed-*; }; then
     spec="$root"
     [ -n "$extras" ] && spec="$root[$extras]"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$spec"
-    echo "$want" > "$stamp"
+    echo "$hash" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
 cd "$root"
