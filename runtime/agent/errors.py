@@ -3,8 +3,11 @@
 AgentError
 ├── BudgetExhausted   the turn made as many model calls as it may
 ├── MaxStepsReached   the model was still calling tools after max_steps requests
-├── SaveFailed        the transcript could not be stored; the model was not called
+├── SaveFailed        the session could not be written or its steers taken
 └── RunFinished       a steer for a run that has ended
+
+Their messages are safe to show an A2A client: they name the session and the limit, never a
+store's own words (which may hold file paths); those stay in ``__cause__`` for the logs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ class BudgetExhausted(AgentError):
     def __init__(self, limit: int) -> None:
         self.limit = limit
         super().__init__(
-            f"the turn exhausted its budget of {limit} model calls with the model still working; "
+            f"model call budget exhausted: the turn made its {limit} model calls with the model still working; "
             "raise the limit (AGENT_MAX_MODEL_CALLS) or ask for less in one turn"
         )
 
@@ -30,9 +33,13 @@ class MaxStepsReached(AgentError):
 
 
 class SaveFailed(AgentError):
-    def __init__(self, session_id: str, what: str) -> None:
+    """``what`` is the action that failed ("saving the transcript", ...); ``before_model`` says
+    whether the run stopped before its next model request (false for the save at the end)."""
+
+    def __init__(self, session_id: str, what: str, *, before_model: bool = True) -> None:
         self.session_id = session_id
-        super().__init__(f"{what} for session {session_id!r} failed, so the run stopped before calling the model")
+        outcome = "so the run stopped before calling the model" if before_model else "so the end of the run is not stored"
+        super().__init__(f"{what} for session {session_id!r} failed, {outcome}")
 
 
 class RunFinished(AgentError):

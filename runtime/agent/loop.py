@@ -1,35 +1,39 @@
 """The ReAct loop: ask the model, run the tools it calls, repeat until it answers.
 
 A run works on a transcript (a list of ``Message``). With a Session it saves that transcript
-before every model request and once more when it returns, and it collects the steers left for
-the session by anyone, anywhere, before every request. There is no resume call: running the
-loop on a session's stored messages, on any process, continues the conversation.
+before every model request and once more when it returns, and before every request it takes the
+steers waiting for it: those handed to the run (``AgentRun.steer``) and those left for the
+session by anyone, anywhere (``Session.steer``). There is no resume call: running the loop on a
+session's stored messages, on any process, continues the conversation (``AgentRun._ask`` says
+what a crash costs).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 import attrs
 import trio
 
-from persistence.errors import StoreError
 from persistence.session import Session
-from persistence.transcript import Message
+from persistence.transcript import Message, ToolCall
 from runtime.agent.errors import BudgetExhausted, MaxStepsReached, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import STEER_LABEL, SteerBox
 from runtime.agent.tools import Tool, call_tool
-from runtime.models import ChatRequest, Completion, Delta, Usage
+from runtime.models import ChatRequest, Completion, Delta, ToolSpec, Usage
 from runtime.models import TextDelta as ModelText
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_CALLS = 12
-CLEANUP_TIMEOUT_S = 5.0  # bound on the shielded save of a partial answer when cancelled
+STORE_TIMEOUT_S = 30.0  # bound on the shielded take-and-save before a request; a slower store has failed
+CLEANUP_TIMEOUT_S = 5.0  # bound on the shielded save of a partial answer as the run ends
+_SAVING = "saving the transcript"
+_TAKING = "taking the steers left"
 
 
 class AnswerStream(Protocol):
@@ -46,12 +50,25 @@ class Model(Protocol):
     def stream(self, request: ChatRequest) -> AbstractAsyncContextManager[AnswerStream]: ...
 
 
+def _tools(tools: Iterable[Tool]) -> tuple[Tool, ...]:
+    return tuple(tools)
+
+
+def _messages(messages: Iterable[Message]) -> list[Message]:
+    return list(messages)
+
+
 @attrs.frozen
 class AgentSpec:
-    """What an agent is: its prompt, its tools, and the limits of one turn."""
+    """What an agent is: its prompt, its tools, and the limits of one turn.
+
+    ``max_model_calls`` is the turn's budget, continuations included; ``max_steps`` bounds the
+    requests of one round (a continuation starts a new round). ``steer_continuations`` is how
+    many extra rounds a turn may take for steers that arrived while its answer was being written.
+    """
 
     system_prompt: str = ""
-    tools: tuple[Tool, ...] = attrs.field(default=(), converter=tuple)
+    tools: tuple[Tool, ...] = attrs.field(default=(), converter=_tools)
     max_steps: int = attrs.field(default=DEFAULT_MAX_MODEL_CALLS, validator=attrs.validators.ge(1))
     max_model_calls: int = attrs.field(default=DEFAULT_MAX_MODEL_CALLS, validator=attrs.validators.ge(1))
     steer_continuations: int = attrs.field(default=0, validator=attrs.validators.ge(0))
@@ -66,6 +83,9 @@ class AgentSpec:
 
 @attrs.frozen
 class Result:
+    """How a turn ended. ``unapplied_steers`` were handed to the run (``AgentRun.steer``) too late
+    for any request; steers left in the store too late stay there for the session's next run."""
+
     output: str
     messages: tuple[Message, ...]
     model_calls: int
@@ -83,43 +103,56 @@ class AgentRun:
     ``run.steer(text)`` may be called from any task of the process meanwhile.
 
     Cancelling the caller's scope ends the run promptly, mid-stream or mid-tool: what the store
-    holds stays, and an answer the model was streaming is kept, marked partial.
+    holds stays, and the text the model was streaming is kept, marked partial. A save already
+    begun is finished first (within a bound), so the store never holds less than the run said.
     """
 
     model: Model
     spec: AgentSpec
-    messages: list[Message] = attrs.field(converter=list)  # a copy: the caller's list is not touched
+    # A copy: the caller's list is not touched.
+    messages: list[Message] = attrs.field(
+        converter=_messages, validator=attrs.validators.deep_iterable(attrs.validators.instance_of(Message))
+    )
     session: Session | None = None
     on_event: Callable[[AgentEvent], None] = _ignore
     _box: SteerBox = attrs.field(init=False, factory=SteerBox)
-    _ready: list[str] = attrs.field(init=False, factory=list)  # taken, not yet placed
     _calls: int = attrs.field(init=False, default=0)
     _usage: Usage | None = attrs.field(init=False, default=None)
+    _started: bool = attrs.field(init=False, default=False)
+    _saved: int = attrs.field(init=False, default=-1)  # how many messages the last save stored
 
     def steer(self, text: str) -> None:
-        """Hand the run a steer for its next model request; RunFinished once it has ended."""
+        """Hand the run a steer for its next model request. Raises RunFinished once the run has
+        ended, ValueError for empty text."""
         self._box.add(text)
 
     async def run(self) -> Result:
-        """Run the turn to the model's answer.
+        """Run the turn to the model's answer. Blocks for the whole turn.
 
-        Raises BudgetExhausted or MaxStepsReached when the model will not conclude, SaveFailed
-        when the session cannot be written (before the model is called), a ModelError when the
-        model fails.
+        Cancellation ends it promptly (see the class docstring). Raises BudgetExhausted or
+        MaxStepsReached when the model will not conclude (the last step's work is stored first),
+        SaveFailed when the session cannot be written (the run stops before its next model
+        request) or the answer cannot be stored, a ModelError when the model fails (after
+        retries, and never once it has started answering), RuntimeError when called twice.
         """
+        if self._started:
+            raise RuntimeError("An AgentRun runs once; make a new one for the next turn of the conversation.")
+        self._started = True
         try:
-            continuations = 0
-            while True:
-                await self._react()
-                # A steer that came while the answer was being written has had no request to
-                # ride; with continuations left, one more round carries it.
-                if continuations < self.spec.steer_continuations and await self._collect_steers():
-                    continuations += 1
-                    continue
-                break
+            await self._turn()
+        except (BudgetExhausted, MaxStepsReached):
+            # The last step's tool results are work done: store them, so that a run resumed from
+            # the session does not make those calls again. The limit stays the run's error.
+            self._box.close()
+            try:
+                await self._save("saving the last step", before_model=False)
+            except SaveFailed as exc:
+                logger.warning("%s (%r)", exc, exc.__cause__)
+            raise
         finally:
-            unapplied = self._ready + self._box.close()
-        await self._save("saving the answer")
+            unapplied = self._box.close()
+        if self._saved != len(self.messages):  # a continuation's look for steers may have saved it all
+            await self._save("saving the answer", before_model=False)
         return Result(
             output=self.messages[-1].text,
             messages=tuple(self.messages),
@@ -128,92 +161,175 @@ class AgentRun:
             unapplied_steers=tuple(unapplied),
         )
 
-    async def _react(self) -> None:
+    async def _turn(self) -> None:
         tools = {tool.name: tool for tool in self.spec.tools}
-        for _ in range(self.spec.max_steps):
-            await self._collect_steers()
-            self._place_steers()
-            await self._save("saving the transcript")
-            if self._calls >= self.spec.max_model_calls:
-                raise BudgetExhausted(self.spec.max_model_calls)
-            answer = await self._ask()
+        specs = tuple(tool.spec() for tool in self.spec.tools)
+        steps = continuations = 0
+        # A run resumed from a session's stored messages starts here; if a process died during
+        # a step, the transcript ends where that step began, and the step is done again (_ask).
+        await self._prepare_request()
+        while True:
+            steps += 1
+            answer = await self._ask(specs)
             self.messages.append(answer)
-            if not answer.tool_calls:
+            if answer.tool_calls:
+                await self._call_tools(tools, answer.tool_calls)
+                self._check_limits(steps)
+                await self._prepare_request()
+            # A steer that arrived while the answer was being written has had no request to ride.
+            # With a continuation (and budget) left, it is placed after the answer and the model
+            # is asked once more; otherwise it is handed back in Result.unapplied_steers.
+            elif (
+                continuations < self.spec.steer_continuations
+                and self._calls < self.spec.max_model_calls
+                and await self._prepare_request()
+            ):
+                continuations += 1
+                steps = 0
+            else:
                 return
-            for call in answer.tool_calls:
-                self.on_event(ToolCalled(call))
-                outcome = await call_tool(tools, call)
-                self.messages.append(Message(role="tool", text=outcome.text, tool_call_id=call.id, name=call.name))
-                self.on_event(ToolResult(call.id, call.name, outcome.text, outcome.is_error))
-        raise MaxStepsReached(self.spec.max_steps)
 
-    async def _collect_steers(self) -> bool:
-        """Take the steers waiting in memory and in the store; True if any are ready to place."""
-        self._ready.extend(self._box.take())
-        if self.session is not None:
+    def _check_limits(self, steps: int) -> None:
+        # The budget is checked first: with both limits at their defaults, a runaway turn is
+        # reported as the budget it exhausted.
+        if self._calls >= self.spec.max_model_calls:
+            raise BudgetExhausted(self.spec.max_model_calls)
+        if steps >= self.spec.max_steps:
+            raise MaxStepsReached(self.spec.max_steps)
+
+    async def _prepare_request(self) -> bool:
+        """Take the steers waiting, pin each where the run has got to, and save the transcript.
+        True if a steer was placed.
+
+        Taking a steer from the store removes it, so from the take until the transcript holding
+        it is saved the work is shielded from cancellation (within a bound): a run cancelled
+        meanwhile still stores the steers it took, and the run resumed from the session sends
+        them. Only a crash in that instant loses them.
+        """
+        placed = self._place(self._box.take())
+        if self.session is None:
+            return placed
+        with trio.move_on_after(STORE_TIMEOUT_S, shield=True):
+            taken = await self._save_and_take_steers(self.session)
+            if self._place(taken):
+                await self._save(_SAVING)
+            return placed or bool(taken)
+        # Reached only when the bound ran out.
+        raise SaveFailed(self.session.id, f"{_SAVING} within {STORE_TIMEOUT_S:g} s")
+
+    async def _save_and_take_steers(self, session: Session) -> list[str]:
+        """Save the transcript and take the steers left in the store, both submitted before
+        either is awaited, so that a store with a group-commit writer commits them in one
+        transaction: one round trip to the database per step instead of two."""
+        taken: list[str] = []
+        failures: dict[str, Exception] = {}
+
+        async def save() -> None:
             try:
-                self._ready.extend(await self.session.take_steers())
-            except StoreError as exc:
-                raise SaveFailed(self.session.id, "collecting the steers") from exc
-        return bool(self._ready)
+                await session.save(self.messages)
+                self._saved = len(self.messages)
+            except Exception as exc:  # any failure, as in _save
+                failures[_SAVING] = exc
 
-    def _place_steers(self) -> None:
-        """Each steer becomes a user message where the run has got to, and stays there: later
-        requests carry it at that position, never re-pinned at the end."""
-        for text in self._ready:
+        async def take() -> None:
+            try:
+                taken.extend(await session.take_steers())
+            except Exception as exc:
+                failures[_TAKING] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(save)
+            nursery.start_soon(take)
+        for what in (_SAVING, _TAKING):  # a store that is down fails both; the save is reported
+            if what in failures:
+                raise SaveFailed(session.id, what) from failures[what]
+        return taken
+
+    def _place(self, steers: Sequence[str]) -> bool:
+        """Each steer becomes a labelled user message at the end of the transcript as it stands,
+        which is where the run has got to. Later messages go after it, so every later request
+        carries it at this position: it is never re-pinned last, where the model would read it
+        as new every time. (It does not go where the run was when it arrived if that was during
+        a step: before the answer being written, the transcript would claim the model had read
+        it; between a tool call and its result, the transcript could not be sent.)"""
+        for text in steers:
             self.messages.append(Message(role="user", text=STEER_LABEL + text))
             self.on_event(SteerApplied(text, len(self.messages) - 1))
-        self._ready.clear()
+        return bool(steers)
 
-    async def _save(self, what: str) -> None:
+    async def _save(self, what: str, *, before_model: bool = True, bound_s: float = STORE_TIMEOUT_S) -> None:
+        """Save the transcript, shielded from cancellation within ``bound_s``: a save once begun
+        is finished, so a run cancelled meanwhile has still stored what it said it stored."""
         if self.session is None:
             return
-        try:
-            await self.session.save(self.messages)
-        except StoreError as exc:
-            raise SaveFailed(self.session.id, what) from exc
+        with trio.move_on_after(bound_s, shield=True):
+            try:
+                await self.session.save(self.messages)
+                self._saved = len(self.messages)
+            except Exception as exc:
+                # Whatever the store raises (its own errors, or a driver's it let through), the
+                # run stops with an error naming the session; the store's words stay in __cause__.
+                raise SaveFailed(self.session.id, what, before_model=before_model) from exc
+            return
+        raise SaveFailed(self.session.id, f"{what} within {bound_s:g} s", before_model=before_model)
 
-    async def _ask(self) -> Message:
-        """One streamed model request. The crash seam: a process that dies here has saved the
-        transcript up to this request, so a resumed run redoes this step (tool calls included)."""
-        request = ChatRequest(
-            messages=[m for m in self._with_system(self.messages) if not m.partial],
-            tools=[tool.spec() for tool in self.spec.tools],
-            temperature=self.spec.temperature,
-        )
+    async def _ask(self, tools: tuple[ToolSpec, ...]) -> Message:
+        """One streamed model request; returns the model's message.
+
+        The crash seam. The transcript was saved just before this request, so a process that
+        dies during this step (while the model answers or while its tools run) leaves the
+        session at the start of the step, and a run resumed from the session's stored messages
+        does the whole step again, tool calls included. A run that is cancelled here, or whose
+        model fails mid-answer, keeps the text streamed so far (see _keep_partial).
+        """
+        request = ChatRequest(messages=self._request_messages(), tools=tools, temperature=self.spec.temperature)
         self._calls += 1
         self.on_event(StepStarted(self._calls))
-        async with self.model.stream(request) as stream:
-            try:
+        stream: AnswerStream | None = None
+        try:
+            async with self.model.stream(request) as stream:
                 async for delta in stream:
-                    self._emit_delta(delta)
-            except trio.Cancelled:
+                    self._emit(delta)
+                completion = stream.completion()
+        except BaseException:
+            # After the stream is closed, so the model server hears at once that we left.
+            if stream is not None:
                 await self._keep_partial(stream.partial_message())
-                raise
-            completion = stream.completion()
+            raise
         return completion.message
 
-    def _emit_delta(self, delta: Delta) -> None:
+    def _request_messages(self) -> list[Message]:
+        # Partial answers are kept for the record, never sent: the model did not finish them.
+        messages = [message for message in self.messages if not message.partial]
+        if self.spec.system_prompt:
+            messages.insert(0, Message(role="system", text=self.spec.system_prompt))
+        return messages
+
+    def _emit(self, delta: Delta) -> None:
         if isinstance(delta, ModelText):
             self.on_event(TextDelta(delta.text))
         elif isinstance(delta, Usage):
             self._usage = delta if self._usage is None else _add(self._usage, delta)
             self.on_event(UsageReported(delta))
 
-    async def _keep_partial(self, partial: Message) -> None:
-        if not (partial.text or partial.tool_calls):
+    async def _keep_partial(self, said: Message) -> None:
+        """Keep the text of an answer that was cut off, as an assistant message marked partial,
+        and store it (the run may be ending by cancellation: see _save). Its tool calls are
+        dropped: without their results the transcript could not be sent again."""
+        if not said.text:
             return
-        self.messages.append(partial)
-        with trio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
-            try:
-                await self._save("saving the partial answer")
-            except SaveFailed as exc:
-                logger.warning("%s", exc)
+        self.messages.append(Message(role="assistant", text=said.text, partial=True))
+        try:
+            await self._save("saving the partial answer", before_model=False, bound_s=CLEANUP_TIMEOUT_S)
+        except SaveFailed as exc:  # the run is already ending with the error that cut the answer off
+            logger.warning("%s (%r)", exc, exc.__cause__)
 
-    def _with_system(self, messages: Sequence[Message]) -> list[Message]:
-        if not self.spec.system_prompt:
-            return list(messages)
-        return [Message(role="system", text=self.spec.system_prompt), *messages]
+    async def _call_tools(self, tools: dict[str, Tool], calls: Sequence[ToolCall]) -> None:
+        for call in calls:
+            self.on_event(ToolCalled(call))
+            outcome = await call_tool(tools, call)
+            self.messages.append(Message(role="tool", text=outcome.text, tool_call_id=call.id, name=call.name))
+            self.on_event(ToolResult(call.id, call.name, outcome.text, outcome.is_error))
 
 
 def _add(a: Usage, b: Usage) -> Usage:

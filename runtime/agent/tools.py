@@ -35,6 +35,9 @@ class Tool:
     invoke: Invoke = attrs.field(repr=False)
     timeout_s: float = attrs.field(default=DEFAULT_TOOL_TIMEOUT_S, validator=attrs.validators.gt(0))
 
+    def __attrs_post_init__(self) -> None:
+        self.spec()  # a name or schema the model API would refuse is refused here, not at the first request
+
     def spec(self) -> ToolSpec:
         return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
 
@@ -46,24 +49,36 @@ class Outcome:
 
 
 async def call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
-    """Run one tool call within its timeout. Cancellation of the caller propagates."""
+    """Check and run one tool call within the tool's timeout; every failure is an error Outcome.
+
+    Blocks until the tool returns or its timeout passes. Cancellation of the caller propagates
+    (it ends the tool too); nothing else is raised.
+    """
     tool = tools.get(call.name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
         return Outcome(f"error: there is no tool named {call.name!r}; the tools are: {known}", True)
     try:
-        arguments = json.loads(call.arguments or "{}")
+        arguments = json.loads(call.arguments or "{}")  # some models send "" for a call without arguments
     except ValueError as exc:
         return Outcome(f"error: the arguments of {call.name} are not JSON ({exc}); send a JSON object", True)
+    if not isinstance(arguments, dict):
+        return Outcome(f"error: the arguments of {call.name} must be a JSON object, not {_json_type(arguments)}", True)
     problem = schema_problem(tool.parameters, arguments, "arguments")
     if problem:
         return Outcome(f"error: {call.name} was called with bad arguments: {problem}", True)
     with trio.move_on_after(tool.timeout_s):
         try:
-            return Outcome(await tool.invoke(arguments), False)
+            text = await tool.invoke(arguments)
         except Exception as exc:  # a failing tool is the model's to handle; Cancelled is not caught
             logger.info("tool %s failed: %r", call.name, exc)
-            return Outcome(f"error: {call.name} failed: {exc}", True)
+            return Outcome(f"error: {call.name} failed: {str(exc) or type(exc).__name__}", True)
+        if not isinstance(text, str):
+            logger.warning("tool %s returned a %s, not text", call.name, type(text).__name__)
+            return Outcome(f"error: {call.name} failed: it returned no text", True)
+        return Outcome(text, False)
+    # The tool's own scope ran out. A tool that ignores cancellation (a blocking call in a
+    # thread, say) delays this until it returns; the caller's cancellation is never caught here.
     return Outcome(f"error: {call.name} did not finish within {tool.timeout_s:g} s", True)
 
 

@@ -1,0 +1,247 @@
+"""Benchmark: the agent loop's cost per step, and how soon a cancelled run has exited.
+
+The model is in process and answers at once, so what is timed is the loop itself plus, with a
+session, taking the steers and saving the transcript before every request (a real SQLite session
+store on a temporary file). Prints one JSON object as its last line:
+
+- ``step_overhead_us``: median time of one step (StepStarted to the next StepStarted: the model's
+  zero-latency answer, one tool call, the steers taken and the transcript saved), with a session
+  at the product default ``synchronous=FULL``. The same figure at NORMAL and with no session.
+- ``steps_per_s``: steps over wall time across all timed runs, FULL.
+- ``store_round_trip_us``: median of what the store alone takes per step (the save and the take
+  of the steers in one transaction), so that the loop's own share is the difference.
+- ``cancel_latency_ms_p99``: from ``cancel()`` to the run having exited, for runs blocked in a
+  model stream that had already sent some text (so the partial answer is saved as it exits),
+  over ``--cancels`` runs with a FULL session; also with no session.
+
+    python scripts/bench/loop.py [--runs N] [--steps N] [--cancels N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from persistence.session import Session
+from persistence.sessions import open_session_store
+from persistence.transcript import Message, ToolCall
+from runtime.agent import AgentEvent, AgentRun, AgentSpec, StepStarted, TextDelta, Tool
+from runtime.models import ChatRequest, Completion, Delta, Finish, Usage
+from runtime.models import TextDelta as ModelText
+
+QUESTION = [Message(role="user", text="Why did the vault lease expire at 03:12?")]
+ARGUMENTS = '{"service": "vault"}'
+TARGET_STEP_US = 500
+TARGET_CANCEL_MS = 20
+
+
+@attrs.define(eq=False)
+class InstantStream:
+    """One answer, already whole: a little text, then a tool call (or the final answer)."""
+
+    number: int
+    final: bool
+    hang: bool = False
+    _deltas: list[Delta] = attrs.field(init=False, factory=list)
+    _said: str = attrs.field(init=False, default="")
+    _done: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._deltas = [ModelText("Looking at the vault lease. ")]
+        if not self.final:
+            self._deltas.append(ToolCall(f"call_{self.number}", "lookup", ARGUMENTS))
+        self._deltas += [Finish("stop" if self.final else "tool_calls"), Usage(400, 20, 420)]
+        self._deltas.reverse()
+
+    def __aiter__(self) -> InstantStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if not self._deltas:
+            if self.hang:
+                await trio.sleep_forever()
+            self._done = True
+            raise StopAsyncIteration
+        delta = self._deltas.pop()
+        if isinstance(delta, ModelText):
+            self._said += delta.text
+        return delta
+
+    def completion(self) -> Completion:
+        calls: tuple[ToolCall, ...] = () if self.final else (ToolCall(f"call_{self.number}", "lookup", ARGUMENTS),)
+        message = Message(role="assistant", text=self._said, tool_calls=calls)  # type: ignore[arg-type]  # Message.tool_calls converts with tuple, which mypy's attrs plugin cannot type
+        return Completion(message, "stop" if self.final else "tool_calls")
+
+    def partial_message(self) -> Message:
+        return Message(role="assistant", text=self._said, partial=not self._done)
+
+
+@attrs.define(eq=False)
+class InstantModel:
+    """The loop's Model protocol with no latency: ``steps - 1`` tool calls, then an answer.
+    With ``hang``, the first answer sends its text and then never finishes."""
+
+    steps: int
+    hang: bool = False
+    _requests: int = attrs.field(init=False, default=0)
+
+    @asynccontextmanager
+    async def stream(self, request: ChatRequest) -> AsyncIterator[InstantStream]:
+        self._requests += 1
+        await trio.lowlevel.checkpoint()
+        yield InstantStream(self._requests, final=self._requests >= self.steps, hang=self.hang)
+
+
+async def lookup(_arguments: dict[str, Any]) -> str:
+    await trio.lowlevel.checkpoint()
+    return "vault: lease TTL 24h, last renewed 25h ago"
+
+
+SPEC_TOOLS = (Tool("lookup", "Look a service up.", {"type": "object", "properties": {"service": {"type": "string"}}}, lookup),)
+
+
+def spec_for(steps: int) -> AgentSpec:
+    return AgentSpec(system_prompt="You are the on-call assistant.", tools=SPEC_TOOLS, max_steps=steps, max_model_calls=steps)
+
+
+async def time_steps(store: Any, runs: int, steps: int, label: str) -> tuple[list[float], float]:
+    """Per-step durations (seconds) over ``runs`` runs, and the wall time of all of them."""
+    durations: list[float] = []
+    marks: list[float] = []
+
+    def on_event(event: AgentEvent) -> None:
+        if isinstance(event, StepStarted):
+            marks.append(time.perf_counter())
+
+    wall = 0.0
+    for n in range(runs + 1):  # run 0 warms up
+        marks.clear()
+        session = None if store is None else Session.open(f"{label}-{n}", store)
+        run = AgentRun(InstantModel(steps), spec_for(steps), QUESTION, session=session, on_event=on_event)
+        start = time.perf_counter()
+        await run.run()
+        if n:
+            wall += time.perf_counter() - start
+            durations += [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    return durations, wall
+
+
+async def cancel_latencies(store: Any, runs: int) -> list[float]:
+    """Seconds from cancel() to the run having exited, for runs blocked mid-stream."""
+    latencies = []
+    for n in range(runs + 1):  # run 0 warms up
+        streaming = trio.Event()
+
+        def on_event(event: AgentEvent, streaming: trio.Event = streaming) -> None:
+            if isinstance(event, TextDelta):
+                streaming.set()
+
+        session = None if store is None else Session.open(f"cancel-{n}", store)
+        run = AgentRun(InstantModel(2, hang=True), spec_for(2), QUESTION, session=session, on_event=on_event)
+        scope = trio.CancelScope()
+        exited_at = 0.0
+
+        async def go(run: AgentRun = run, scope: trio.CancelScope = scope) -> None:
+            nonlocal exited_at
+            with scope:
+                await run.run()
+            exited_at = time.perf_counter()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go)
+            await streaming.wait()
+            await trio.testing.wait_all_tasks_blocked()  # the run is parked in the stream
+            cancelled_at = time.perf_counter()
+            scope.cancel()
+        assert run.messages[-1].partial, "the partial answer was kept"
+        if n:
+            latencies.append(exited_at - cancelled_at)
+    return latencies
+
+
+async def store_round_trips(store: Any, count: int) -> list[float]:
+    """Seconds for what the store alone does each step: save one more step and take the steers,
+    submitted together as the loop does (one transaction). The loop's own share is the rest."""
+    session = Session.open("store-only", store)
+    transcript = list(QUESTION)
+    durations = []
+    for n in range(count):
+        transcript += [
+            Message(role="assistant", text="Looking at the vault lease. ", tool_calls=[ToolCall(f"call_{n}", "lookup", ARGUMENTS)]),
+            Message(role="tool", text="vault: lease TTL 24h, last renewed 25h ago", tool_call_id=f"call_{n}", name="lookup"),
+        ]
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.save, transcript)
+            nursery.start_soon(session.take_steers)
+        durations.append(time.perf_counter() - start)
+    return durations
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+async def measure(tmp: Path, runs: int, steps: int, cancels: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for synchronous in ("FULL", "NORMAL"):
+        async with open_session_store(tmp / f"runtime-{synchronous}.db", synchronous=synchronous) as store:
+            durations, wall = await time_steps(store, runs, steps, synchronous)
+            results[synchronous] = (statistics.median(durations), runs * steps / wall)
+            results[f"store-{synchronous}"] = statistics.median(await store_round_trips(store, runs * steps // 2))
+            if synchronous == "FULL":
+                results["cancel"] = await cancel_latencies(store, cancels)
+    durations, wall = await time_steps(None, runs, steps, "none")
+    results["none"] = (statistics.median(durations), runs * steps / wall)
+    results["cancel_none"] = await cancel_latencies(None, cancels)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=50, help="timed runs per configuration")
+    parser.add_argument("--steps", type=int, default=20, help="model requests per run")
+    parser.add_argument("--cancels", type=int, default=300, help="cancelled runs timed (at least 200)")
+    args = parser.parse_args()
+    if args.cancels < 200:
+        parser.error("--cancels must be at least 200")
+    import trio.testing  # noqa: F401, PLC0415  (wait_all_tasks_blocked, above)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        r = trio.run(measure, Path(tmp), args.runs, args.steps, args.cancels)
+    full_us, full_rate = r["FULL"][0] * 1e6, r["FULL"][1]
+    result = {
+        "step_overhead_us": round(full_us, 1),
+        "steps_per_s": round(full_rate),
+        "cancel_latency_ms_p99": round(p99(r["cancel"]) * 1e3, 3),
+        "synchronous": "FULL",
+        "store_round_trip_us": round(r["store-FULL"] * 1e6, 1),
+        "step_overhead_us_normal": round(r["NORMAL"][0] * 1e6, 1),
+        "store_round_trip_us_normal": round(r["store-NORMAL"] * 1e6, 1),
+        "steps_per_s_normal": round(r["NORMAL"][1]),
+        "step_overhead_us_no_session": round(r["none"][0] * 1e6, 1),
+        "steps_per_s_no_session": round(r["none"][1]),
+        "cancel_latency_ms_median": round(statistics.median(r["cancel"]) * 1e3, 3),
+        "cancel_latency_ms_p99_no_session": round(p99(r["cancel_none"]) * 1e3, 3),
+        "cancel_runs": args.cancels,
+        "steps_timed": args.runs * (args.steps - 1),
+        "cpus": os.cpu_count(),
+        "meets_step_target": full_us <= TARGET_STEP_US,
+        "meets_cancel_target": p99(r["cancel"]) * 1e3 <= TARGET_CANCEL_MS,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

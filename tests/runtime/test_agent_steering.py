@@ -1,0 +1,301 @@
+"""Steering a run: in memory, through the store from another process, placement, exactly-once
+delivery, finished runs, steers that arrive too late, and continuations."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from fake_model import Call, FakeModel, Reply
+
+from persistence.session import Session
+from persistence.sessions import open_session_store
+from persistence.transcript import Message
+from runtime.agent import STEER_LABEL, AgentEvent, AgentRun, AgentSpec, RunFinished, SteerApplied, StepStarted, TextDelta
+from runtime.models import open_model_client
+from tests.runtime.agent_support import (
+    DEADLINE_S,
+    QUESTION,
+    Answer,
+    EventLog,
+    GatedSession,
+    ScriptedModel,
+    config_for,
+    make_tool,
+    question,
+    sent_messages,
+    stored_messages,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SESSION = "incident-7"
+VAULT = '{"service": "vault"}'
+STEER = "check the lease expiry, not the token"
+LEAVE_STEER = """
+import sys
+from pathlib import Path
+
+import trio
+
+from persistence.session import Session
+from persistence.sessions import open_session_store
+
+
+async def main(path, session_id, text):
+    async with open_session_store(Path(path)) as store:
+        await Session.open(session_id, store).steer(text)
+
+
+trio.run(main, *sys.argv[1:4])
+"""
+
+
+def steered(text: str) -> dict[str, str]:
+    """A steer as the model receives it."""
+    return {"role": "user", "content": STEER_LABEL + text}
+
+
+async def leave_steer(path: Path, text: str) -> None:
+    """Leave a steer the way another process does: through a store object of its own, no run needed."""
+    async with open_session_store(path) as other:
+        await Session.open(SESSION, other).steer(text)
+
+
+async def test_a_steer_handed_to_the_run_rides_the_next_request_and_is_announced(fake_model: FakeModel) -> None:
+    runs: list[AgentRun] = []
+
+    async def lookup(_arguments: dict[str, Any]) -> str:
+        runs[0].steer(STEER)
+        return "vault: healthy"
+
+    fake_model.script = [Reply(tool_calls=[Call("lookup", VAULT)]), Reply(text="The lease expired.")]
+    log = EventLog()
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            runs.append(AgentRun(client, AgentSpec(tools=[make_tool("lookup", lookup)]), question(), on_event=log))
+            result = await runs[0].run()
+    second = sent_messages(fake_model.bodies[1])
+    assert [message["role"] for message in second] == ["user", "assistant", "tool", "user"]
+    assert second[3] == steered(STEER)  # labelled, and after the tool result it came during
+    assert log.of(SteerApplied) == [SteerApplied(STEER, 3)]
+    assert result.messages[3] == Message(role="user", text=STEER_LABEL + STEER)
+
+
+async def test_a_steer_left_by_another_process_reaches_the_run_and_stays_where_the_request_was(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    path = tmp_path / "runtime.db"
+    looked_up: list[dict[str, Any]] = []
+
+    async def lookup(arguments: dict[str, Any]) -> str:
+        looked_up.append(arguments)
+        if len(looked_up) == 1:
+            await leave_steer(path, STEER)  # a second store object over the same file
+        return f"{arguments['service']}: healthy"
+
+    fake_model.script = [
+        Reply(tool_calls=[Call("lookup", VAULT)]),
+        Reply(tool_calls=[Call("lookup", '{"service": "lease-db"}')]),
+        Reply(text="Renew the lease."),
+    ]
+    spec = AgentSpec(tools=[make_tool("lookup", lookup)])
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            # The run is never told of the steer: only the store knows.
+            await AgentRun(client, spec, question(), session=Session.open(SESSION, store)).run()
+        stored = await stored_messages(path, SESSION)
+    second, third = sent_messages(fake_model.bodies[1]), sent_messages(fake_model.bodies[2])
+    assert second.index(steered(STEER)) == 3 == len(second) - 1  # where the request was
+    assert third.index(steered(STEER)) == 3  # and there it stays: never re-pinned at the end
+    assert [message["role"] for message in third] == ["user", "assistant", "tool", "user", "assistant", "tool"]
+    assert stored[3] == Message(role="user", text=STEER_LABEL + STEER)
+
+
+async def test_a_steer_left_by_a_real_subprocess_reaches_the_run(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+
+    async def escalate(_arguments: dict[str, Any]) -> str:
+        # Another OS process opens the same file, leaves a steer and exits, while this tool runs.
+        await trio.run_process([sys.executable, "-c", LEAVE_STEER, str(path), SESSION, STEER], cwd=ROOT)
+        return "escalated"
+
+    fake_model.script = [Reply(tool_calls=[Call("escalate")]), Reply(text="Done.")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store:
+            async with open_model_client(config_for(fake_model)) as client:
+                spec = AgentSpec(tools=[make_tool("escalate", escalate)])
+                await AgentRun(client, spec, question(), session=Session.open(SESSION, store)).run()
+            assert await store.take_steers(SESSION) == []
+    assert sent_messages(fake_model.bodies[1])[-1] == steered(STEER)
+
+
+async def test_a_steer_waiting_before_the_run_starts_rides_its_first_request(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text="Looking at staging.")]
+    with trio.fail_after(DEADLINE_S):
+        await leave_steer(path, "it is the staging vault")  # no run exists yet
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            await AgentRun(client, AgentSpec(), question(), session=Session.open(SESSION, store)).run()
+    assert sent_messages(fake_model.bodies[0]) == [{"role": "user", "content": QUESTION}, steered("it is the staging vault")]
+
+
+async def test_a_steer_is_never_delivered_twice(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    runs: list[AgentRun] = []
+    calls = 0
+
+    async def lookup(_arguments: dict[str, Any]) -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            runs[0].steer("held by the run")
+            await leave_steer(path, "left in the store")
+        return "healthy"
+
+    fake_model.script = [Reply(tool_calls=[Call("lookup", VAULT)])] * 3 + [Reply(text="Done.")]
+    log = EventLog()
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            spec = AgentSpec(tools=[make_tool("lookup", lookup)])
+            runs.append(AgentRun(client, spec, question(), session=Session.open(SESSION, store), on_event=log))
+            result = await runs[0].run()
+            assert await store.take_steers(SESSION) == []  # nothing left to hand out again
+        stored = await stored_messages(path, SESSION)
+    assert len(log.of(SteerApplied)) == 2
+    for text in ("held by the run", "left in the store"):
+        positions = [sent_messages(body).index(steered(text)) for body in fake_model.bodies[1:]]
+        assert len(set(positions)) == 1  # every later request carries it once, at one place
+        for body in fake_model.bodies[1:]:
+            assert sent_messages(body).count(steered(text)) == 1
+        assert [message.text for message in stored].count(STEER_LABEL + text) == 1
+        assert [message.text for message in result.messages].count(STEER_LABEL + text) == 1
+
+
+async def test_steering_a_finished_run_says_so_rather_than_swallowing_it(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="Done.")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            run = AgentRun(client, AgentSpec(), question())
+            await run.run()
+    with pytest.raises(RunFinished, match="the run has finished, so there is no request left to carry a steer"):
+        run.steer(STEER)
+
+
+def test_an_empty_steer_is_refused() -> None:
+    run = AgentRun(ScriptedModel([]), AgentSpec(), question())
+    with pytest.raises(ValueError, match="non-empty"):
+        run.steer("  ")
+
+
+def steer_during_answer(runs: list[AgentRun], texts: dict[int, str]) -> Any:
+    """An on_event that hands ``texts[step]`` to the run as the answer of that step starts streaming."""
+    step = 0
+
+    def on_event(event: AgentEvent) -> None:
+        nonlocal step
+        if isinstance(event, StepStarted):
+            step = event.step
+        elif isinstance(event, TextDelta) and step in texts:
+            runs[0].steer(texts.pop(step))
+
+    return on_event
+
+
+async def test_a_steer_that_arrives_during_the_last_request_is_handed_back(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text="The lease expired.")]
+    fake_model.default = Reply(text="A request nobody should have made.")
+    runs: list[AgentRun] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            on_event = steer_during_answer(runs, {1: "also check staging"})
+            runs.append(AgentRun(client, AgentSpec(), question(), session=Session.open(SESSION, store), on_event=on_event))
+            result = await runs[0].run()
+        stored = await stored_messages(path, SESSION)
+    assert result.unapplied_steers == ("also check staging",)
+    assert len(fake_model.bodies) == 1
+    assert stored == list(result.messages) == [*question(), Message(role="assistant", text="The lease expired.")]
+
+
+async def test_a_steer_during_the_last_request_gets_one_more_step_with_a_continuation(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="The lease expired."), Reply(text="Staging is fine too.")]
+    fake_model.default = Reply(text="A request nobody should have made.")
+    runs: list[AgentRun] = []
+    spec = AgentSpec(steer_continuations=1)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            on_event = steer_during_answer(runs, {1: "also check staging", 2: "and production"})
+            runs.append(AgentRun(client, spec, question(), on_event=on_event))
+            result = await runs[0].run()
+    assert len(fake_model.bodies) == 2
+    assert sent_messages(fake_model.bodies[1]) == [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "The lease expired."},
+        steered("also check staging"),
+    ]
+    assert result.output == "Staging is fine too."
+    assert result.unapplied_steers == ("and production",)  # the one continuation is spent
+
+
+@pytest.mark.parametrize("continuations", [0, 1])
+async def test_a_stored_steer_during_the_last_request_waits_for_a_continuation_or_the_next_run(
+    tmp_path: Path, continuations: int
+) -> None:
+    path = tmp_path / "runtime.db"
+    hold = trio.Event()
+    model = ScriptedModel([Answer("The lease expired.", hold=hold), Answer("Staging is fine too.")])
+    log = EventLog()
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store:
+            session = Session.open(SESSION, store)
+            run = AgentRun(model, AgentSpec(steer_continuations=continuations), question(), session=session, on_event=log)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run.run)
+                await log.wait_for(TextDelta)  # the last answer is half written
+                await leave_steer(path, "also check staging")
+                hold.set()
+            left = await store.take_steers(SESSION)
+        stored = await stored_messages(path, SESSION)
+    if continuations:
+        assert len(model.requests) == 2
+        assert model.requests[1].messages[-1] == Message(role="user", text=STEER_LABEL + "also check staging")
+        assert left == []
+        assert stored[-1] == Message(role="assistant", text="Staging is fine too.")
+    else:
+        assert len(model.requests) == 1
+        assert left == ["also check staging"]  # still in the store, for the session's next run
+        assert stored == [*question(), Message(role="assistant", text="The lease expired.")]
+
+
+async def test_a_cancelled_run_still_stores_the_steers_it_took(fake_model: FakeModel, tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text="Checking staging.")]
+    with trio.fail_after(DEADLINE_S):
+        await leave_steer(path, "it is the staging vault")
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            session = GatedSession(SESSION, store)
+            scope = trio.CancelScope()
+
+            async def go() -> None:
+                with scope:
+                    await AgentRun(client, AgentSpec(), question(), session=session).run()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(go)
+                await session.taken.wait()  # the store has handed the steer out; the run holds it
+                scope.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                session.gate.set()
+            assert scope.cancelled_caught
+            assert fake_model.bodies == []  # cancelled before the model was called
+            assert await store.take_steers(SESSION) == []
+        stored = await stored_messages(path, SESSION)
+        assert stored == [*question(), Message(role="user", text=STEER_LABEL + "it is the staging vault")]
+        # The run resumed from the session sends it.
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            await AgentRun(client, AgentSpec(), stored, session=Session.open(SESSION, store)).run()
+    assert sent_messages(fake_model.bodies[0])[-1] == steered("it is the staging vault")

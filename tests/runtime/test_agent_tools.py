@@ -1,0 +1,191 @@
+"""Tools: schema checks, bad calls as tool errors, timeouts, failures, and the way errors reach
+the model through the loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from fake_model import Call, FakeModel, Reply
+
+from persistence.transcript import ToolCall
+from runtime.agent import AgentRun, AgentSpec, Tool
+from runtime.agent.tools import DEFAULT_TOOL_TIMEOUT_S, call_tool, schema_problem
+from runtime.models import open_model_client
+from tests.runtime.agent_support import DEADLINE_S, LOOKUP_SCHEMA, config_for, lookup_tool, make_tool, question, sent_messages
+
+ALERT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "severity": {"type": "string", "enum": ["page", "ticket"]},
+        "minutes": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "silence": {"type": ["boolean", "null"]},
+    },
+    "required": ["severity"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"severity": "page", "minutes": 5, "ratio": 0.5, "tags": ["db"], "silence": None}, None),
+        ({"severity": "page", "ratio": 2}, None),  # an integer is a number
+        ([], "arguments must be object, not array"),
+        ({}, "arguments.severity is required"),
+        ({"severity": "email"}, 'arguments.severity must be one of ["page", "ticket"]'),
+        ({"severity": "page", "minutes": "5"}, "arguments.minutes must be integer, not string"),
+        ({"severity": "page", "minutes": 2.5}, "arguments.minutes must be integer, not number"),
+        ({"severity": "page", "minutes": True}, "arguments.minutes must be integer, not boolean"),
+        ({"severity": "page", "tags": ["db", 3]}, "arguments.tags[1] must be string, not integer"),
+        ({"severity": "page", "silence": "yes"}, "arguments.silence must be boolean or null, not string"),
+        ({"severity": "page", "owner": "me"}, "arguments.owner is not a known field (known: severity, minutes, ratio, tags, silence)"),
+    ],
+)
+def test_schema_problem_names_the_first_thing_wrong_and_where(value: Any, problem: str | None) -> None:
+    assert schema_problem(ALERT_SCHEMA, value, "arguments") == problem
+
+
+def test_schema_problem_allows_unknown_fields_unless_the_schema_forbids_them() -> None:
+    assert schema_problem({"type": "object", "properties": {}}, {"anything": 1}, "arguments") is None
+
+
+async def test_an_unknown_tool_is_a_tool_error_naming_the_tools_there_are() -> None:
+    outcome = await call_tool({"lookup": lookup_tool()}, ToolCall("call_1", "restart_vault", "{}"))
+    assert outcome.is_error
+    assert outcome.text == "error: there is no tool named 'restart_vault'; the tools are: lookup"
+
+
+async def test_arguments_that_are_not_json_are_a_tool_error_and_the_tool_is_not_run() -> None:
+    calls: list[dict[str, Any]] = []
+    outcome = await call_tool({"lookup": lookup_tool(calls)}, ToolCall("call_1", "lookup", '{"service": vault}'))
+    assert outcome.is_error
+    assert outcome.text.startswith("error: the arguments of lookup are not JSON (")
+    assert calls == []
+
+
+async def test_arguments_that_are_not_an_object_are_a_tool_error_even_under_an_empty_schema() -> None:
+    calls: list[dict[str, Any]] = []
+    open_tool = make_tool("lookup", lookup_tool(calls).invoke, parameters={})
+    outcome = await call_tool({"lookup": open_tool}, ToolCall("call_1", "lookup", '["vault"]'))
+    assert (outcome.text, outcome.is_error) == ("error: the arguments of lookup must be a JSON object, not array", True)
+    assert calls == []
+
+
+async def test_arguments_that_do_not_match_the_schema_are_a_tool_error_and_the_tool_is_not_run() -> None:
+    calls: list[dict[str, Any]] = []
+    outcome = await call_tool({"lookup": lookup_tool(calls)}, ToolCall("call_1", "lookup", '{"service": 3}'))
+    assert (outcome.text, outcome.is_error) == ("error: lookup was called with bad arguments: arguments.service must be string, not integer", True)
+    assert calls == []
+
+
+async def test_empty_arguments_mean_no_arguments() -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def status(arguments: dict[str, Any]) -> str:
+        seen.append(arguments)
+        return "green"
+
+    outcome = await call_tool({"status": make_tool("status", status)}, ToolCall("call_1", "status", ""))
+    assert (outcome.text, outcome.is_error, seen) == ("green", False, [{}])
+
+
+async def test_a_tool_that_raises_is_a_tool_error() -> None:
+    async def flaky(_arguments: dict[str, Any]) -> str:
+        raise ConnectionResetError("the incident database went away")
+
+    outcome = await call_tool({"flaky": make_tool("flaky", flaky)}, ToolCall("call_1", "flaky", "{}"))
+    assert (outcome.text, outcome.is_error) == ("error: flaky failed: the incident database went away", True)
+
+
+async def test_a_tool_that_returns_no_text_is_a_tool_error() -> None:
+    async def sloppy(_arguments: dict[str, Any]) -> str:
+        return {"status": "green"}  # type: ignore[return-value]  # the mistake under test
+
+    outcome = await call_tool({"sloppy": make_tool("sloppy", sloppy)}, ToolCall("call_1", "sloppy", "{}"))
+    assert (outcome.text, outcome.is_error) == ("error: sloppy failed: it returned no text", True)
+
+
+async def test_a_tool_that_runs_past_its_timeout_is_a_tool_error(autojump_clock: trio.testing.MockClock) -> None:
+    async def hang(_arguments: dict[str, Any]) -> str:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    started = trio.current_time()
+    outcome = await call_tool({"hang": make_tool("hang", hang, timeout_s=7.5)}, ToolCall("call_1", "hang", "{}"))
+    assert (outcome.text, outcome.is_error) == ("error: hang did not finish within 7.5 s", True)
+    assert trio.current_time() - started == pytest.approx(7.5)
+
+
+def test_tools_carry_a_timeout_by_default() -> None:
+    assert lookup_tool().timeout_s == DEFAULT_TOOL_TIMEOUT_S
+    with pytest.raises(ValueError, match="timeout_s"):
+        make_tool("lookup", lookup_tool().invoke, timeout_s=0)
+
+
+async def test_cancelling_the_caller_is_not_a_tool_error(autojump_clock: trio.testing.MockClock) -> None:
+    async def hang(_arguments: dict[str, Any]) -> str:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    outcomes = []
+    with trio.move_on_after(1.0) as scope:  # well inside the tool's own 30 s
+        outcomes.append(await call_tool({"hang": make_tool("hang", hang)}, ToolCall("call_1", "hang", "{}")))
+    assert scope.cancelled_caught
+    assert outcomes == []
+
+
+def test_a_tool_name_the_model_api_would_refuse_is_refused_when_the_tool_is_made() -> None:
+    with pytest.raises(ValueError, match="tool name 'look up'"):
+        make_tool("look up", lookup_tool().invoke)
+
+
+def test_an_agent_cannot_have_two_tools_of_one_name() -> None:
+    with pytest.raises(ValueError, match="tool names must be unique"):
+        AgentSpec(tools=[lookup_tool(), lookup_tool()])
+
+
+async def test_bad_tool_calls_go_back_to_the_model_as_tool_errors_and_the_run_goes_on(fake_model: FakeModel) -> None:
+    async def hang(_arguments: dict[str, Any]) -> str:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def broken(_arguments: dict[str, Any]) -> str:
+        raise RuntimeError("the runbook index is rebuilding")
+
+    tools: list[Tool] = [
+        lookup_tool(),
+        make_tool("hang", hang, timeout_s=0.01),
+        make_tool("broken", broken),
+    ]
+    fake_model.script = [
+        Reply(
+            tool_calls=[
+                Call("restart_vault", "{}"),
+                Call("lookup", '{"service": vault'),
+                Call("lookup", '{"service": 3}'),
+                Call("hang", "{}"),
+                Call("broken", "{}"),
+                Call("lookup", '{"service": "vault"}'),
+            ]
+        ),
+        Reply(text="One lookup worked; the rest failed."),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            result = await AgentRun(client, AgentSpec(tools=tools), question()).run()
+    results = [message["content"] for message in sent_messages(fake_model.bodies[1]) if message["role"] == "tool"]
+    assert [text.split(":")[0] if text.startswith("error") else text for text in results] == ["error"] * 5 + [
+        "vault: lease TTL 24h, last renewed 25h ago"
+    ]
+    assert "no tool named 'restart_vault'" in results[0]
+    assert "not JSON" in results[1]
+    assert "arguments.service must be string" in results[2]
+    assert "did not finish within 0.01 s" in results[3]
+    assert "the runbook index is rebuilding" in results[4]
+    assert result.output == "One lookup worked; the rest failed."
+    assert LOOKUP_SCHEMA == fake_model.bodies[0]["tools"][0]["function"]["parameters"]
