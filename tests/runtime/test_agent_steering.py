@@ -76,8 +76,10 @@ async def test_a_steer_handed_to_the_run_rides_the_next_request_and_is_announced
     log = EventLog()
     with trio.fail_after(DEADLINE_S):
         async with open_model_client(config_for(fake_model)) as client:
-            runs.append(AgentRun(client, AgentSpec(tools=[make_tool("lookup", lookup)]), question(), on_event=log))
+            asked = question()
+            runs.append(AgentRun(client, AgentSpec(tools=[make_tool("lookup", lookup)]), asked, on_event=log))
             result = await runs[0].run()
+    assert asked == question()  # the caller's list is not touched
     second = sent_messages(fake_model.bodies[1])
     assert [message["role"] for message in second] == ["user", "assistant", "tool", "user"]
     assert second[3] == steered(STEER)  # labelled, and after the tool result it came during
