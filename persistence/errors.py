@@ -8,7 +8,9 @@ StoreError
 ├── TaskNotFound         no such task for this owner
 ├── VersionConflict      update() with a stale version
 ├── InvalidPage          a page size or page token that cannot be used
-└── SchemaError          a database file whose schema this build cannot use
+├── SchemaError          a database file whose schema this build cannot use
+├── DatabaseFailed       SQLite failed (disk full, I/O error, locked too long); the call wrote nothing
+└── StateError           (persistence.statedir) snapshots, restore and recovery
 """
 
 from __future__ import annotations
@@ -67,3 +69,11 @@ class SchemaError(StoreError):
     def __init__(self, path: object, reason: str, fix: str) -> None:
         self.path = path
         super().__init__(f"{path}: {reason}. {fix}")
+
+
+class DatabaseFailed(StoreError):
+    """SQLite itself failed. The message names the file; the driver's error is the cause."""
+
+    def __init__(self, path: object, exc: BaseException) -> None:
+        self.path = path
+        super().__init__(f"{path}: the database failed ({type(exc).__name__}: {exc})")

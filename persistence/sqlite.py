@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from persistence.errors import SchemaError, StoreClosed
+from persistence.errors import DatabaseFailed, SchemaError, StoreClosed
 from persistence.schema import KNOWN_SCHEMAS, SchemaIdentity, read_identity, write_identity_txn
 
 T = TypeVar("T")
@@ -180,7 +180,10 @@ class SqlitePool:
 
         def open_sync() -> sqlite3.Connection:
             inspect(path, schema)  # refuse before anything (even the switch to WAL) touches the file
-            conn = connect(path, synchronous=synchronous)
+            try:
+                conn = connect(path, synchronous=synchronous)
+            except sqlite3.Error as exc:
+                raise DatabaseFailed(path, exc) from exc
             try:
                 migrate(path, conn, schema)
             except BaseException:
@@ -203,7 +206,10 @@ class SqlitePool:
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if self._closed:  # closed while this call waited for the limiter
             raise StoreClosed(str(self.path))
-        return fn(self._conn, *args)
+        try:
+            return fn(self._conn, *args)
+        except sqlite3.Error as exc:  # the driver's errors stop here, named for the file
+            raise DatabaseFailed(self.path, exc) from exc
 
     async def aclose(self) -> None:
         if self._closed:

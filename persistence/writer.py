@@ -11,7 +11,7 @@ from typing import Any, Protocol, TypeVar
 import attrs
 import trio
 
-from persistence.errors import StoreClosed
+from persistence.errors import DatabaseFailed, StoreClosed
 from persistence.sqlite import SqlitePool
 
 T = TypeVar("T")
@@ -117,6 +117,8 @@ class GroupCommitWriter:
         self._wakeup.set()
         await batch.done.wait()
         if item.error is not None:
+            if isinstance(item.error, sqlite3.Error):  # one write's own failure, in careful mode
+                raise DatabaseFailed(self.pool.path, item.error) from item.error
             raise item.error
         return item.result  # type: ignore[no-any-return]  # fn's result, set in the pool's thread
 

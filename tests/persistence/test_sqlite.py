@@ -213,3 +213,24 @@ async def test_every_append_acknowledged_before_a_sigkill_survives_untorn(tmp_pa
         assert order == list(range(len(order))), f"writer {k}'s events are out of order or have a gap"
     missing = {(k, i) for k, i in acked if i >= len(stored.get(k, []))}
     assert not missing, f"{len(missing)} acknowledged appends are gone"
+
+
+async def test_a_failing_database_is_a_store_error_that_names_the_file(tmp_path: Path) -> None:
+    from persistence.errors import DatabaseFailed
+
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        await store.append("s", ['{"n":1}'])
+        # Another connection holds the write lock past the busy timeout: a real SQLite failure.
+        blocker = sqlite3.connect(path, timeout=0, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            await store.pool.run(lambda conn: conn.execute("PRAGMA busy_timeout = 50"))
+            with pytest.raises(DatabaseFailed) as caught:
+                await store.append("s", ['{"n":2}'])
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert str(path) in str(caught.value) and "locked" in str(caught.value)
+        assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+        assert [e.content for e in await store.events("s")] == ['{"n":1}']
