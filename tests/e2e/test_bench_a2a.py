@@ -1,0 +1,32 @@
+"""scripts/bench/a2a.py on a tiny load: every server starts, answers and is measured."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = (
+    "keel_rps", "keel_p50_ms", "keel_p99_ms", "ref_sqlite_rps", "ref_memory_rps", "vs_ref_sqlite", "vs_ref_memory",
+    "cancel_ms_p99", "clients", "seconds",
+)  # fmt: skip
+
+
+def test_bench_a2a_prints_its_report() -> None:
+    args = ["--clients", "4", "--seconds", "0.5", "--warmup-s", "0.2", "--rounds", "1", "--cancels", "3"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench" / "a2a.py"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert all(report[field] is not None for field in FIELDS), report
+    assert report["errors"] == {"keel": 0, "ref_sqlite": 0, "ref_memory": 0}
+    assert report["keel_rps"] > 0 and report["ref_sqlite_rps"] > 0 and report["ref_memory_rps"] > 0
+    assert report["cancels"] == 3
+    # Keel writes CANCELED before CancelTask answers, and every counted task is COMPLETED on disk.
+    assert report["cancel_on_disk_at_response"] == 1.0
+    assert report["keel_tasks_on_disk"]["TASK_STATE_CANCELED"] == 3
+    assert report["keel_tasks_on_disk"]["TASK_STATE_COMPLETED"] >= report["keel_rps"] * 0.5
