@@ -8,7 +8,7 @@ only its own subscription.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -19,6 +19,7 @@ from persistence.api import SessionStore, TaskStore
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
+    DEFAULT_PAGE_SIZE,
     Artifact,
     ContextMismatch,
     InvalidParams,
@@ -53,8 +54,23 @@ from runtime.tasks import (
 
 logger = logging.getLogger(__name__)
 
+ANONYMOUS = "anonymous"  # the owner of every task until requests carry an identity
 ANSWER_ARTIFACT = "answer"
 METADATA_KEY = "keel"  # task.metadata["keel"]["transcriptStart"]: the session length the turn began at
+
+
+Outcome = Callable[[Task], Task]
+"""How a run ends, applied to the task as it stands when the end is written (see LiveTask.persist)."""
+
+
+def _settle(state: TaskState, text: str) -> Outcome:
+    return lambda current: with_status(current, state, agent_message(current, text))
+
+
+@attrs.frozen
+class RunnerStatistics:
+    running: int  # tasks with a run in this process
+    subscribers: int  # open subscriptions to those tasks (streams, resubscriptions)
 
 
 @attrs.frozen
@@ -110,6 +126,10 @@ class Runner:
     def running(self) -> int:
         return len(self._live)
 
+    def statistics(self) -> RunnerStatistics:
+        live = list(self._live.values())
+        return RunnerStatistics(running=len(live), subscribers=sum(task.subscribers for task in live))
+
     # -- requests ---------------------------------------------------------------------------------
 
     async def send(self, owner: str, params: SendMessageParams) -> Task:
@@ -152,8 +172,7 @@ class Runner:
         await self.sessions.add_steer(task.context_id, text)
         live = self._live.get(task_id)
         if live is not None:
-            await live.persist(self.tasks, attrs.evolve(live.task, history=(*live.task.history, message)))
-            return live.task
+            return await live.persist(self.tasks, lambda current: attrs.evolve(current, history=(*current.history, message)))
         updated = attrs.evolve(task, history=(*task.history, message))
         await self.tasks.update(
             owner, task_id, state=state.wire_name(STORED_VERSION), task_json=encode(updated), expected_version=version
@@ -173,7 +192,7 @@ class Runner:
                 context_id=params.context_id,
                 state=None if params.status is None else params.status.wire_name(STORED_VERSION),
                 updated_after_ms=None if after is None else int(after.timestamp() * 1000),
-                page_size=params.page_size or 50,
+                page_size=params.page_size or DEFAULT_PAGE_SIZE,
                 page_token=params.page_token or "",
             )
         except store_errors.InvalidPage as exc:
@@ -187,25 +206,36 @@ class Runner:
                 task = attrs.evolve(task, artifacts=())
             tasks.append(task)
         return ListTasksResult(
-            tasks=tasks, next_page_token=page.next_page_token, page_size=len(tasks), total_size=page.total_size
+            tasks=tasks, next_page_token=page.next_page_token, page_size=params.page_size or DEFAULT_PAGE_SIZE,
+            total_size=page.total_size,
         )
 
     async def cancel(self, owner: str, task_id: str) -> Task:
-        """Cancel the task's scope and return it CANCELED, as persisted."""
-        task, version = await load(self.tasks, owner, task_id)
-        if task.status.state.is_terminal:
-            raise TaskNotCancelable(task_id, task.status.state.value)
+        """Cancel the task's scope and return it as persisted once it has settled: CANCELED, or
+        the state it reached first. Raises TaskNotFound, or TaskNotCancelable when it is terminal."""
         live = self._live.get(task_id)
-        if live is not None:
-            live.scope.cancel()
-            await live.settled.wait()
-            return live.task
-        # Not running here (its process died and it has not been adopted yet): settle it on disk.
+        if live is None or live.owner != owner:
+            task, version = await load(self.tasks, owner, task_id)
+            if task.status.state.is_terminal:
+                raise TaskNotCancelable(task_id, task.status.state.value)
+            live = self._live.get(task_id)  # the load may have raced with the run's end
+            if live is None:
+                return await self._cancel_stored(owner, task, version)
+        live.scope.cancel()
+        await live.settled.wait()
+        return live.task
+
+    async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
+        """Settle a task no run of this process holds (its process died, or it ended just now)."""
         canceled = with_status(task, TaskState.CANCELED, agent_message(task, "The task was canceled."))
-        await self.tasks.update(
-            owner, task_id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
-            expected_version=version,
-        )  # fmt: skip
+        try:
+            await self.tasks.update(
+                owner, task.id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
+                expected_version=version,
+            )  # fmt: skip
+        except store_errors.VersionConflict:
+            # It changed after it was read (a run that has just ended wrote it): judge it again.
+            return await self.cancel(owner, task.id)
         return canceled
 
     @asynccontextmanager
@@ -247,26 +277,26 @@ class Runner:
         self._nursery.start_soon(self._execute, live, name=f"task {live.task.id}")
 
     async def _execute(self, live: LiveTask) -> None:
-        final: Task | None = None
+        final: Outcome | None = None
         try:
             with live.scope:
                 final = await self._turn(live)
         except Exception:
             logger.exception("task %s failed inside the runner", live.task.id)
-            final = with_status(live.task, TaskState.FAILED, agent_message(live.task, "The task failed with an internal error."))
+            final = _settle(TaskState.FAILED, "The task failed with an internal error.")
         finally:
             if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
-                final = with_status(live.task, TaskState.CANCELED, agent_message(live.task, "The task was canceled."))
+                final = _settle(TaskState.CANCELED, "The task was canceled.")
             try:
                 await live.persist(self.tasks, final)  # shielded and bounded inside
             except (store_errors.StoreError, TimeoutError) as exc:
-                logger.error("task %s: its final state %s could not be stored: %s", live.task.id, final.status.state.value, exc)
+                logger.error("task %s: its final state could not be stored: %s", live.task.id, exc)
             live.close()
             del self._live[live.task.id]
             if not self._live:
                 self._idle.set()
 
-    async def _turn(self, live: LiveTask) -> Task:
+    async def _turn(self, live: LiveTask) -> Outcome:
         """One turn on the task's session: WORKING durable before the model is called, then the
         agent loop, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
         task = live.task
@@ -285,23 +315,27 @@ class Runner:
             # Otherwise a resumed run continues from the transcript as saved: the step in flight
             # when the process died is done again (see AgentRun._ask).
             metadata = {**(task.metadata or {}), METADATA_KEY: {"transcriptStart": start}}
-            await live.persist(self.tasks, attrs.evolve(with_status(task, TaskState.WORKING), metadata=metadata))
+            await live.persist(self.tasks, lambda current: attrs.evolve(with_status(current, TaskState.WORKING), metadata=metadata))
             stream = _AnswerStream(live)
             run = AgentRun(self.model, self.agent, messages, session=session, on_event=stream.on_event)
             try:
                 result = await run.run()
             except (AgentError, ModelError) as exc:
                 logger.info("task %s failed: %r", task.id, exc)
-                return with_status(live.task, TaskState.FAILED, agent_message(live.task, f"The task failed: {exc}"))
+                return _settle(TaskState.FAILED, f"The task failed: {exc}")
         return self._completed(live, result.output)
 
-    def _completed(self, live: LiveTask, output: str) -> Task:
+    def _completed(self, live: LiveTask, output: str) -> Outcome:
         task = live.task
         answer = agent_message(task, output)
         artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(output),))
         live.publish(TaskArtifactUpdateEvent(task_id=task.id, context_id=task.context_id, artifact=artifact, last_chunk=True))
-        done = attrs.evolve(task, history=(*task.history, answer), artifacts=(artifact,))
-        return with_status(done, TaskState.COMPLETED, answer)
+
+        def complete(current: Task) -> Task:
+            done = attrs.evolve(current, history=(*current.history, answer), artifacts=(artifact,))
+            return with_status(done, TaskState.COMPLETED, answer)
+
+        return complete
 
     async def _adopt_orphans(self) -> None:
         """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left hanging."""
@@ -313,7 +347,7 @@ class Runner:
                 self._start(live)
                 continue
             reason = "The process running this task stopped before it finished; send the message again."
-            await live.persist(self.tasks, with_status(task, TaskState.FAILED, agent_message(task, reason)))
+            await live.persist(self.tasks, _settle(TaskState.FAILED, reason))
 
 
 def _answered(turn: list[Transcribed]) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 import attrs
@@ -88,17 +89,26 @@ class LiveTask:
     write_timeout_s: float = 5.0
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk
-    _subscribers: set[trio.MemorySendChannel[StreamEvent]] = attrs.field(init=False, factory=set)
+    # Each subscriber's receive side -> its send side, so that leaving drops both at once.
+    _subscribers: dict[trio.MemoryReceiveChannel[StreamEvent], trio.MemorySendChannel[StreamEvent]] = attrs.field(
+        init=False, factory=dict
+    )
     _writing: trio.Lock = attrs.field(init=False, factory=trio.Lock)
 
-    async def persist(self, tasks: TaskStore, task: Task) -> None:
-        """Write the task (version-checked), then tell the subscribers.
+    async def persist(self, tasks: TaskStore, change: Callable[[Task], Task]) -> Task:
+        """Apply ``change`` to the newest task, write the result (version-checked), then tell the
+        subscribers; returns the task as written.
 
-        One write at a time (the run and a steering request may both write), and shielded, with
-        a bound: a write that was queued always finishes, so the version known here stays true.
+        One write at a time (the run and a steering request may both write), and ``change`` is
+        applied under that lock to the task as it stands then, never to a copy read before the
+        wait: otherwise a steer's message, or the run's new state, would be lost to whichever
+        write came second. Shielded, with a bound: a write that was queued always finishes, so
+        the version known here stays true.
         """
+        task = self.task
         with trio.move_on_after(self.write_timeout_s, shield=True) as bound:
             async with self._writing:
+                task = change(self.task)
                 record = await tasks.update(
                     self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(task),
                     expected_version=self.version,
@@ -108,6 +118,7 @@ class LiveTask:
         if bound.cancelled_caught:
             raise TimeoutError(f"storing task {task.id!r} took longer than {self.write_timeout_s:g} s")
         self.publish(TaskStatusUpdateEvent(task_id=task.id, context_id=task.context_id, status=task.status))
+        return task
 
     def subscribe(self) -> trio.MemoryReceiveChannel[StreamEvent]:
         """A channel that starts with the task as it stands, then carries every event."""
@@ -116,28 +127,34 @@ class LiveTask:
         if self.settled.is_set():
             send.close()
         else:
-            self._subscribers.add(send)
+            self._subscribers[receive] = send
         return receive
 
     def unsubscribe(self, receive: trio.MemoryReceiveChannel[StreamEvent]) -> None:
-        receive.close()  # the matching send side is dropped on the next publish
+        self._drop(receive)
+        receive.close()
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
 
     def publish(self, event: StreamEvent) -> None:
-        for send in list(self._subscribers):
+        for receive, send in list(self._subscribers.items()):
             try:
                 send.send_nowait(event)
             except trio.WouldBlock:
                 logger.warning("task %s: a subscriber fell %d events behind and was dropped", self.task.id, SUBSCRIBER_BUFFER)
-                self._drop(send)
+                self._drop(receive)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self._drop(send)
+                self._drop(receive)
 
     def close(self) -> None:
         """The task has settled: end every subscription after what was already sent."""
         self.settled.set()
-        for send in list(self._subscribers):
-            self._drop(send)
+        for receive in list(self._subscribers):
+            self._drop(receive)
 
-    def _drop(self, send: trio.MemorySendChannel[StreamEvent]) -> None:
-        self._subscribers.discard(send)
-        send.close()
+    def _drop(self, receive: trio.MemoryReceiveChannel[StreamEvent]) -> None:
+        send = self._subscribers.pop(receive, None)
+        if send is not None:
+            send.close()

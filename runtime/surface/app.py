@@ -1,0 +1,118 @@
+"""The A2A surface: a Quart-Trio app over the runner.
+
+The server builds it once everything it needs is open, and serves it::
+
+    readiness = Readiness()
+    app = create_app(runner=runner, card_for=card_for, health=Health(state_dir=..., model=model),
+                     readiness=readiness)
+    ... await hypercorn.trio.serve(app, hypercorn_config, shutdown_trigger=...)  # in the root nursery
+    readiness.set()  # once the server is up: until then every route answers 503
+
+``runner`` is the started Runner. ``card_for(url)`` returns the AgentCard to serve, given the URL
+the JSON-RPC endpoint is reached at (``lambda _url: card`` for a fixed card). ``health`` says
+what ``/healthz`` probes. ``config`` holds the limits, with defaults.
+
+Routes::
+
+    POST {rpc_path}                      JSON-RPC 2.0, A2A 1.0 and 0.3 (jsonrpc.py, streams.py)
+    GET  /.well-known/agent-card.json    the agent card (card.py)
+    GET  /livez                          200 {"status":"alive"}, depending on nothing
+    GET  /healthz                        200 {"status":"ready"} or 503 {"status":"unready","problems":[...]}
+
+Anything else is a plain HTTP 404 (or 405): an unrouted path is not the protocol. Handlers hold
+the runner, never a nursery: a run lives in the runner's nursery, so a request that ends or a
+client that goes away ends only that request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import attrs
+from quart import Response
+from quart_trio import QuartTrio
+from werkzeug.datastructures import Headers
+from werkzeug.exceptions import HTTPException
+
+from runtime.runner import ANONYMOUS
+from runtime.surface.card import CardEndpoint, CardFor
+from runtime.surface.health import NOT_STARTED, Health, Readiness
+from runtime.surface.jsonrpc import JsonRpcEndpoint, json_response
+
+if TYPE_CHECKING:
+    from runtime.runner import Runner
+
+logger = logging.getLogger(__name__)
+
+CARD_PATH = "/.well-known/agent-card.json"
+
+
+def _absolute_path(_instance: object, _attribute: object, path: str) -> None:
+    if not path.startswith("/"):
+        raise ValueError(f"rpc_path must start with '/', got {path!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SurfaceConfig:
+    rpc_path: str = attrs.field(default="/", validator=_absolute_path)
+    """Where JSON-RPC is served; "/a2a" also answers at "/a2a/" and the other way round."""
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
+    keepalive_s: float = attrs.field(default=15.0, validator=attrs.validators.gt(0))
+    """How long a stream may stay silent before it sends a keep-alive comment."""
+
+
+def create_app(
+    *, runner: Runner, card_for: CardFor, health: Health, readiness: Readiness, config: SurfaceConfig = SurfaceConfig()
+) -> QuartTrio:
+    """The app; building it starts nothing (hypercorn runs it, the runner is already running)."""
+    app = QuartTrio(__name__, static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    rpc = JsonRpcEndpoint(runner, ANONYMOUS, config.max_body_bytes, config.keepalive_s)
+    for index, path in enumerate(_rpc_paths(config.rpc_path)):
+        app.add_url_rule(path, f"jsonrpc{index}", rpc.handle, methods=["POST"], strict_slashes=False)
+    app.add_url_rule(CARD_PATH, "agent_card", CardEndpoint(card_for, config.rpc_path).handle, methods=["GET"])
+    app.add_url_rule("/livez", "livez", _alive, methods=["GET"])
+    app.add_url_rule("/healthz", "healthz", _Readiness(health).handle, methods=["GET"])
+
+    async def refuse_until_ready() -> Response | None:
+        return None if readiness.is_set() else unready([NOT_STARTED])
+
+    app.before_request(refuse_until_ready)
+    app.register_error_handler(HTTPException, _plain_http_error)
+    app.register_error_handler(Exception, _internal_error)
+    return app
+
+
+def _rpc_paths(path: str) -> list[str]:
+    bare = path.rstrip("/")
+    return ["/"] if not bare else [bare, bare + "/"]
+
+
+def unready(problems: list[str]) -> Response:
+    return json_response({"status": "unready", "problems": problems}, status=503)
+
+
+async def _alive() -> Response:
+    return json_response({"status": "alive"})
+
+
+@attrs.frozen
+class _Readiness:
+    health: Health
+
+    async def handle(self) -> Response:
+        problems = await self.health.problems()
+        return unready(problems) if problems else json_response({"status": "ready"})
+
+
+async def _plain_http_error(error: HTTPException) -> Response:
+    """404, 405 and the like as one line of text (and an Allow header for 405), not an HTML page."""
+    headers = Headers([(name, value) for name, value in error.get_headers() if name.lower() != "content-type"])
+    status = error.code or 500
+    return Response(f"{status} {error.name}\n", status=status, headers=headers, content_type="text/plain; charset=utf-8")
+
+
+async def _internal_error(error: Exception) -> Response:
+    logger.error("unexpected error outside JSON-RPC", exc_info=error)
+    return Response("500 Internal Server Error\n", status=500, content_type="text/plain; charset=utf-8")

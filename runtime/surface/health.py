@@ -1,0 +1,151 @@
+"""Liveness and readiness: ``GET /livez`` and ``GET /healthz``.
+
+``/livez`` depends on nothing, so a busy or broken dependency never gets a live process
+restarted. ``/healthz`` runs every probe at once, each under its own timeout, and lists every
+problem found (it never stops at the first). A problem names a class of failure and the file
+or directory it is about; what the failure said goes to the log, never to the client, because
+it may hold a stack trace, a DSN or a model provider's words.
+
+The probes only read: the stores are checked through ``persistence.sqlite.inspect``, which
+opens its own read-only connection, so a probe never queues behind the traffic connection and
+never migrates anything. The state directory probe creates and removes a ``.readiness-*``
+file, the one way to know that the next write will succeed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+import trio
+
+from persistence.sessions import SESSIONS_SCHEMA
+from persistence.sqlite import Schema, inspect
+from persistence.tasks import TASKS_SCHEMA
+
+logger = logging.getLogger(__name__)
+
+NOT_STARTED = "the A2A server has not started"
+DEFAULT_PROBE_TIMEOUT_S = 5.0
+
+
+class ModelCatalog(Protocol):
+    """What readiness needs of a model client (runtime.models.ModelClient is one)."""
+
+    async def has_model(self, name: str | None = None) -> bool: ...
+
+
+@attrs.define(eq=False)
+class Readiness:
+    """Whether startup has finished. Until ``set()``, every route answers 503 unready."""
+
+    _started: trio.Event = attrs.field(init=False, factory=trio.Event)
+
+    def set(self) -> None:
+        self._started.set()
+
+    def is_set(self) -> bool:
+        return self._started.is_set()
+
+
+class _Missing(Exception):
+    """A store file that is not there (after startup it always is)."""
+
+
+@attrs.frozen(kw_only=True)
+class Health:
+    """What ``/healthz`` checks: the state directory, the two store files in it, and the model.
+
+    ``model`` None skips the model probe. The file names are those the server opens.
+    """
+
+    state_dir: Path
+    model: ModelCatalog | None = None
+    session_file: str = "runtime.db"
+    task_file: str = "tasks.db"
+    probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
+
+    async def problems(self) -> list[str]:
+        """Every problem found, in probe order; empty when ready.
+
+        Blocks for at most ``probe_timeout_s`` (a probe that takes longer is itself a problem,
+        and its worker thread is abandoned: it only reads, or removes its own file). Raises
+        nothing but Cancelled.
+        """
+        probes = self._probes()
+        found: list[list[str]] = [[] for _ in probes]
+        async with trio.open_nursery() as nursery:
+            for index, (what, probe) in enumerate(probes):
+                nursery.start_soon(self._run_probe, what, probe, found[index])
+        return [problem for problems in found for problem in problems]
+
+    def _probes(self) -> list[tuple[str, Callable[[], Awaitable[str | None]]]]:
+        probes: list[tuple[str, Callable[[], Awaitable[str | None]]]] = [
+            ("the state directory check", self._state_dir_problem),
+            ("the session store check", lambda: self._store_problem("session store", self.session_file, SESSIONS_SCHEMA)),
+            ("the task store check", lambda: self._store_problem("task store", self.task_file, TASKS_SCHEMA)),
+        ]
+        if self.model is not None:
+            probes.append(("the model catalog check", self._model_problem))
+        return probes
+
+    async def _run_probe(self, what: str, probe: Callable[[], Awaitable[str | None]], into: list[str]) -> None:
+        problem: str | None = None
+        with trio.move_on_after(self.probe_timeout_s) as bound:
+            try:
+                problem = await probe()
+            except Exception as exc:  # a probe that breaks is a problem too, named by its class only
+                logger.exception("readiness: %s failed", what)
+                problem = f"{what} failed: {type(exc).__name__}"
+        if bound.cancelled_caught:
+            logger.warning("readiness: %s took longer than %g s", what, self.probe_timeout_s)
+            problem = f"{what} did not finish within {self.probe_timeout_s:g} s"
+        if problem is not None:
+            into.append(problem)
+
+    async def _state_dir_problem(self) -> str | None:
+        try:
+            await trio.to_thread.run_sync(_touch, self.state_dir, abandon_on_cancel=True)
+        except OSError as exc:
+            logger.warning("readiness: the state directory %s is not writable: %r", self.state_dir, exc)
+            return f"state directory is not writable: {self.state_dir}"
+        return None
+
+    async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:
+        path = self.state_dir / name
+        try:
+            await trio.to_thread.run_sync(_inspect_existing, path, schema, abandon_on_cancel=True)
+        except _Missing:
+            return f"{label} is not initialized: {name} is missing"
+        except Exception as exc:  # SchemaError, sqlite3.Error, OSError: all mean "cannot use it"
+            logger.warning("readiness: %s %s is not usable: %r", label, path, exc)
+            return f"{label} is not usable: {name} ({type(exc).__name__})"
+        return None
+
+    async def _model_problem(self) -> str | None:
+        assert self.model is not None, "only probed when configured"
+        try:
+            present = await self.model.has_model()
+        except Exception as exc:  # ModelError; its detail may hold provider text, so log only
+            logger.warning("readiness: the model catalog could not be read: %r", exc)
+            return f"model server unavailable: its catalog could not be read ({type(exc).__name__})"
+        return None if present else "model unavailable: the configured model is absent from the model server's catalog"
+
+
+def _touch(state_dir: Path) -> None:
+    """Create and remove a file in ``state_dir``. Blocking."""
+    fd, name = tempfile.mkstemp(prefix=".readiness-", dir=state_dir)
+    os.close(fd)
+    os.unlink(name)
+
+
+def _inspect_existing(path: Path, schema: Schema) -> None:
+    """``inspect`` passes an absent file (first boot); after startup an absent file is a fault."""
+    if not path.is_file():
+        raise _Missing(path)
+    inspect(path, schema)

@@ -1,0 +1,188 @@
+"""JSON-RPC 2.0 over HTTP POST: A2A 1.0 and 0.3 on one URL.
+
+Every JSON-RPC answer, error or not, travels with HTTP 200, as the reference server's do
+(wire/err_*.resp.txt); the ``A2A-Version`` header (or query parameter) picks the version, and
+``protocol.route`` applies the rule (absent means 0.3; a 1.0 method without it is -32009).
+Two failures happen before JSON-RPC is reached and get an HTTP status of their own, still with
+a JSON-RPC error body: a body over the size limit (413) and a body declared as something other
+than JSON (415).
+
+Protocol errors become error objects in the request's version. Anything else is a bug or an
+outage: it is logged with its traceback and answered -32603 with a message that names nothing
+internal.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, ClassVar
+
+import attrs
+from quart import Response, request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from protocol import (
+    VERSION_HEADER,
+    InternalError,
+    InvalidRequest,
+    ListTasksParams,
+    Operation,
+    ProtocolError,
+    ProtocolVersion,
+    PushNotificationNotSupported,
+    RequestId,
+    RequestRejected,
+    Route,
+    SendMessageParams,
+    TaskIdParams,
+    TaskIsTerminal,
+    TaskQueryParams,
+    UnsupportedOperation,
+    encode_json,
+    error_response,
+    parse_request,
+    response_version,
+    route,
+    send_result_to_json,
+    success_response,
+    trim_history,
+)
+from runtime.surface.streams import TaskEventStream, event_stream_response
+
+if TYPE_CHECKING:
+    from runtime.runner import Runner
+
+logger = logging.getLogger(__name__)
+
+JSON_TYPE = "application/json"
+
+Params = dict[str, object]
+
+
+def json_response(body: object, status: int = 200) -> Response:
+    return Response(encode_json(body), status=status, content_type=JSON_TYPE)
+
+
+def _refusal(body: object, status: int) -> Response:
+    """An answer given before the body was read (or all of it): the connection closes after it,
+    so that the rest of the body cannot be taken for the next request, and the client does not
+    reuse a connection the server has stopped reading."""
+    response = json_response(body, status)
+    response.headers["Connection"] = "close"
+    return response
+
+
+def _is_json(content_type: str | None) -> bool:
+    """application/json, or a JSON-based type such as application/a2a+json. A request without
+    a Content-Type is let through: its body is judged as JSON all the same."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == JSON_TYPE or (media.startswith("application/") and media.endswith("+json"))
+
+
+@attrs.frozen
+class JsonRpcEndpoint:
+    """The handler of ``POST /``: one request, one answer (a JSON body or an SSE stream)."""
+
+    runner: Runner
+    owner: str
+    max_body_bytes: int
+    keepalive_s: float
+
+    async def handle(self) -> Response:
+        header = request.headers.get(VERSION_HEADER) or request.args.get(VERSION_HEADER)
+        if not _is_json(request.content_type):
+            error = InvalidRequest(f"the body must be sent as {JSON_TYPE}, not {request.content_type!r}")
+            return _refusal(error_response(None, error, response_version(None, header)), status=415)
+        try:
+            body = await request.get_data(cache=False)
+        except RequestEntityTooLarge:
+            error = InvalidRequest(f"the body is larger than the limit of {self.max_body_bytes} bytes")
+            return _refusal(error_response(None, error, response_version(None, header)), status=413)
+        try:
+            call = parse_request(body)
+        except RequestRejected as rejected:
+            version = response_version(rejected.method, header)
+            return json_response(error_response(rejected.request_id, rejected.error, version))
+        try:
+            target = route(call.method, header)
+        except ProtocolError as exc:
+            return json_response(error_response(call.id, exc, response_version(call.method, header)))
+        return await self._dispatch(call.id, target, call.params)
+
+    async def _dispatch(self, request_id: RequestId, target: Route, params: Params) -> Response:
+        try:
+            if target.operation.streams:
+                stream = await self._open_stream(request_id, target, params)
+                return event_stream_response(stream)
+            result = await self._answer(target.operation, params, target.version)
+        except ProtocolError as exc:
+            return json_response(error_response(request_id, exc, target.version))
+        except Exception:
+            logger.exception("JSON-RPC %s failed", target.method)
+            error = InternalError(f"{target.method!r}")
+            return json_response(error_response(request_id, error, target.version))
+        return json_response(success_response(request_id, result))
+
+    async def _answer(self, operation: Operation, params: Params, version: ProtocolVersion) -> object:
+        if operation.is_push_config:
+            raise PushNotificationNotSupported()
+        handler = self._unary.get(operation)
+        if handler is None:
+            raise AssertionError(f"no handler for {operation}")  # every Operation is listed
+        return await handler(self, params, version)
+
+    async def _send_message(self, params: Params, version: ProtocolVersion) -> object:
+        """A blocking send (the default) returns once the task is terminal or interrupted; with
+        ``returnImmediately`` (0.3: ``blocking: false``) it returns the task as created."""
+        send = SendMessageParams.from_json(params, version)
+        task = await self.runner.send(self.owner, send)
+        if not send.configuration.return_immediately:
+            task = await self.runner.wait_settled(self.owner, task.id)
+        return send_result_to_json(trim_history(task, send.configuration.history_length, version), version)
+
+    async def _get_task(self, params: Params, version: ProtocolVersion) -> object:
+        query = TaskQueryParams.from_json(params, version)
+        task = await self.runner.get(self.owner, query.id)
+        return trim_history(task, query.history_length, version).to_json(version)
+
+    async def _list_tasks(self, params: Params, version: ProtocolVersion) -> object:
+        listing = ListTasksParams.from_json(params, version)
+        return (await self.runner.list_tasks(self.owner, listing)).to_json(version)
+
+    async def _cancel_task(self, params: Params, version: ProtocolVersion) -> object:
+        target = TaskIdParams.from_json(params, version)
+        return (await self.runner.cancel(self.owner, target.id)).to_json(version)
+
+    async def _extended_card(self, params: Params, version: ProtocolVersion) -> object:
+        # The card says capabilities.extendedAgentCard is false; the reference answers -32004.
+        raise UnsupportedOperation("this agent has no extended agent card (capabilities.extendedAgentCard is false)")
+
+    _unary: ClassVar[dict[Operation, Callable[[JsonRpcEndpoint, Params, ProtocolVersion], Awaitable[object]]]] = {
+        Operation.SEND_MESSAGE: _send_message,
+        Operation.GET_TASK: _get_task,
+        Operation.LIST_TASKS: _list_tasks,
+        Operation.CANCEL_TASK: _cancel_task,
+        Operation.GET_EXTENDED_AGENT_CARD: _extended_card,
+    }
+
+    async def _open_stream(self, request_id: RequestId, target: Route, params: Params) -> TaskEventStream:
+        """Check the request and find the task; the stream itself opens when quart enters it."""
+        version = target.version
+        first = None
+        if target.operation is Operation.SEND_STREAMING_MESSAGE:
+            send = SendMessageParams.from_json(params, version)
+            created = await self.runner.send(self.owner, send)
+            first = trim_history(created, send.configuration.history_length, version)
+            task_id = created.id
+        else:
+            task_id = TaskIdParams.from_json(params, version).id
+            task = await self.runner.get(self.owner, task_id)
+            if task.status.state.is_terminal:
+                raise TaskIsTerminal(task_id, task.status.state.wire_name(version), "be subscribed to")
+        return TaskEventStream(
+            runner=self.runner, owner=self.owner, task_id=task_id, request_id=request_id, version=version,
+            keepalive_s=self.keepalive_s, first=first,
+        )  # fmt: skip

@@ -1,0 +1,151 @@
+"""Server-sent event answers: SendStreamingMessage / message/stream, SubscribeToTask /
+tasks/resubscribe.
+
+A stream begins with the Task (spec 1.0 §3.1.2, §3.1.6), carries its status and artifact
+updates, and closes after a terminal or interrupted state; in 0.3 that last status update says
+``final: true``. While nothing happens it sends a comment every ``keepalive_s`` so that proxies
+keep the connection open.
+
+``TaskEventStream`` is a quart ``ResponseBody``: quart-trio enters it, iterates it and leaves it
+in the request's own task. Entering opens the runner subscription and leaving closes it; each
+``__anext__`` waits for one event (or the keep-alive) inside its own call, so no cancel scope or
+nursery is ever held across a yield. A client that disconnects gets its request task cancelled,
+which ends this subscription and nothing else: the run lives in the runner's nursery.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from types import TracebackType
+from typing import Protocol
+
+import attrs
+import trio
+from quart import Response
+from quart.wrappers.response import ResponseBody
+
+from protocol import (
+    ProtocolError,
+    ProtocolVersion,
+    RequestId,
+    StreamEvent,
+    Task,
+    TaskArtifactUpdateEvent,
+    TaskStatusUpdateEvent,
+    encode_comment,
+    encode_event,
+    ends_stream,
+    error_response,
+    stream_event_to_json,
+    success_response,
+)
+from protocol.sse import HEADERS
+
+
+class Subscriptions(Protocol):
+    """What a stream needs of the runner."""
+
+    def subscribe(self, owner: str, task_id: str) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[StreamEvent]]: ...
+
+KEEPALIVE = encode_comment("keep-alive")
+
+
+def event_stream_response(stream: TaskEventStream) -> Response:
+    """A 200 ``text/event-stream`` response that streams until the task settles."""
+    response = Response(stream, status=200, headers=dict(HEADERS))
+    response.timeout = None  # quart's RESPONSE_TIMEOUT would cut a long task's stream
+    return response
+
+
+@attrs.define(eq=False)
+class TaskEventStream(ResponseBody):
+    """The events of one task as SSE frames, each a JSON-RPC response to ``request_id``.
+
+    ``first`` is a Task the caller already has (the one a streaming send created): it is the
+    first frame, sent before the subscription opens, and what the subscription's own snapshot
+    adds to it goes out as updates. Without it the snapshot itself is the first frame.
+    """
+
+    runner: Subscriptions
+    owner: str
+    task_id: str
+    request_id: RequestId
+    version: ProtocolVersion
+    keepalive_s: float
+    first: Task | None = None
+    _exits: AsyncExitStack = attrs.field(init=False, factory=AsyncExitStack)
+    _events: trio.MemoryReceiveChannel[StreamEvent] | None = attrs.field(init=False, default=None)
+    _frames: deque[bytes] = attrs.field(init=False, factory=deque)
+    _last_task: Task | None = attrs.field(init=False, default=None)
+    _ended: bool = attrs.field(init=False, default=False)
+
+    async def __aenter__(self) -> TaskEventStream:
+        if self.first is not None:
+            self._send(self.first)
+        if self._ended:
+            return self
+        try:
+            self._events = await self._exits.enter_async_context(self.runner.subscribe(self.owner, self.task_id))
+        except ProtocolError as exc:  # the task vanished after the request was checked
+            self._frames.append(encode_event(error_response(self.request_id, exc, self.version)))
+            self._ended = True
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._exits.aclose()
+
+    def __aiter__(self) -> TaskEventStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._frames:
+            if self._ended:
+                raise StopAsyncIteration
+            await self._wait_for_event()
+        return self._frames.popleft()
+
+    async def _wait_for_event(self) -> None:
+        """Queue the frames of the next event, or a keep-alive after ``keepalive_s`` of quiet."""
+        assert self._events is not None, "the stream is iterated only once entered"
+        with trio.move_on_after(self.keepalive_s) as idle:
+            try:
+                event = await self._events.receive()
+            except trio.EndOfChannel:
+                # The task settled, or this subscriber fell too far behind and was dropped.
+                self._ended = True
+                return
+        if idle.cancelled_caught:
+            self._frames.append(KEEPALIVE)
+            return
+        if isinstance(event, Task) and self._last_task is not None:
+            for update in _updates_since(self._last_task, event):
+                self._send(update)
+            self._last_task = event
+            return
+        self._send(event)
+
+    def _send(self, event: StreamEvent) -> None:
+        if self._ended:
+            return
+        if isinstance(event, Task):
+            self._last_task = event
+        result = stream_event_to_json(event, self.version)
+        self._frames.append(encode_event(success_response(self.request_id, result)))
+        self._ended = ends_stream(event)
+
+
+def _updates_since(sent: Task, now: Task) -> list[StreamEvent]:
+    """The updates that turn ``sent`` into ``now``: what happened to the task between the
+    moment a streaming send created it and the moment its subscription opened."""
+    updates: list[StreamEvent] = [
+        TaskArtifactUpdateEvent(task_id=now.id, context_id=now.context_id, artifact=artifact, last_chunk=True)
+        for artifact in now.artifacts
+        if artifact not in sent.artifacts
+    ]
+    if now.status != sent.status:
+        updates.append(TaskStatusUpdateEvent(task_id=now.id, context_id=now.context_id, status=now.status))
+    return updates
+

@@ -1,0 +1,189 @@
+"""/livez, /healthz and the agent card, through a real hypercorn server."""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from fake_model import FakeModel
+
+from runtime.models import ModelClient, ModelConfig, open_model_client
+from runtime.surface import Health, SurfaceConfig
+from tests.runtime.served import DEADLINE_S, SYSTEM_PROMPT, Served, serve_keel
+
+CARD = "/.well-known/agent-card.json"
+NOT_STARTED = {"status": "unready", "problems": ["the A2A server has not started"]}
+
+
+async def get(keel: Served, path: str) -> httpx.Response:
+    with trio.fail_after(DEADLINE_S):
+        return await keel.http.get(path)
+
+
+async def unready_problems(keel: Served) -> list[str]:
+    response = await get(keel, "/healthz")
+    assert response.status_code == 503, response.text
+    assert "Traceback" not in response.text
+    body = response.json()
+    assert body["status"] == "unready"
+    return body["problems"]  # type: ignore[no-any-return]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- liveness and readiness ---------------------------------------------------------------------
+
+
+async def test_livez_answers_alive(keel: Served) -> None:
+    response = await get(keel, "/livez")
+    assert (response.status_code, response.json()) == (200, {"status": "alive"})
+
+
+async def test_healthz_answers_ready(keel: Served) -> None:
+    response = await get(keel, "/healthz")
+    assert (response.status_code, response.json()) == (200, {"status": "ready"})
+    assert not list(keel.state_dir.glob(".readiness-*"))  # the write probe cleans up after itself
+
+
+async def test_every_route_answers_unready_until_startup_completes(fake_model: FakeModel, tmp_path: Path) -> None:
+    async with serve_keel(tmp_path / "state", fake_model, ready=False) as keel:
+        with trio.fail_after(DEADLINE_S):
+            answers = [
+                await keel.http.get("/livez"),
+                await keel.http.get("/healthz"),
+                await keel.http.get(CARD),
+                await keel.http.post("/", json=keel.body("GetTask", {"id": "x"}), headers={"A2A-Version": "1.0"}),
+                await keel.http.post("/nowhere", json={}),
+            ]
+        assert [(a.status_code, a.json()) for a in answers] == [(503, NOT_STARTED)] * len(answers)
+        keel.readiness.set()
+        assert (await get(keel, "/livez")).status_code == 200
+        assert (await get(keel, "/healthz")).status_code == 200
+
+
+async def test_healthz_accumulates_every_problem(keel: Served, tmp_path: Path) -> None:
+    keel.model.models = ("some-other-model",)
+    moved = tmp_path / "moved-away"
+    keel.state_dir.rename(moved)  # the state directory disappears under the running server
+    try:
+        problems = await unready_problems(keel)
+    finally:
+        moved.rename(keel.state_dir)
+    assert problems == [
+        f"state directory is not writable: {keel.state_dir}",
+        "session store is not initialized: runtime.db is missing",
+        "task store is not initialized: tasks.db is missing",
+        "model unavailable: the configured model is absent from the model server's catalog",
+    ]
+
+
+async def test_healthz_reports_damaged_and_foreign_databases(fake_model: FakeModel, tmp_path: Path) -> None:
+    other = tmp_path / "other-state"
+    other.mkdir()
+    (other / "runtime.db").write_bytes(b"this is not a database file " * 64)
+    with sqlite3.connect(other / "tasks.db") as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    conn.close()
+
+    def health_for(_state_dir: Path, model: ModelClient) -> Health:
+        return Health(state_dir=other, model=model)
+
+    async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
+        problems = await unready_problems(keel)
+    assert problems == [
+        "session store is not usable: runtime.db (SchemaError)",
+        "task store is not usable: tasks.db (SchemaError)",
+    ]
+
+
+async def test_healthz_reports_an_unreachable_model_server_without_its_address(fake_model: FakeModel, tmp_path: Path) -> None:
+    port = closed_port()
+    async with open_model_client(ModelConfig(base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)) as unreachable:
+
+        def health_for(state_dir: Path, _model: ModelClient) -> Health:
+            return Health(state_dir=state_dir, model=unreachable)
+
+        async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
+            problems = await unready_problems(keel)
+    assert problems == ["model server unavailable: its catalog could not be read (ModelUnavailable)"]
+    assert str(port) not in problems[0]
+
+
+class StuckCatalog:
+    async def has_model(self, name: str | None = None) -> bool:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_healthz_bounds_each_probe(fake_model: FakeModel, tmp_path: Path) -> None:
+    def health_for(state_dir: Path, _model: ModelClient) -> Health:
+        return Health(state_dir=state_dir, model=StuckCatalog(), probe_timeout_s=0.05)
+
+    async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
+        assert await unready_problems(keel) == ["the model catalog check did not finish within 0.05 s"]
+
+
+async def test_healthz_answers_while_the_task_database_is_being_written(keel: Served) -> None:
+    writer = sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")  # hold the write lock, as a long commit would
+        response = await get(keel, "/healthz")
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert (response.status_code, response.json()) == (200, {"status": "ready"})
+
+
+# -- the agent card -----------------------------------------------------------------------------
+
+
+async def test_the_agent_card_says_who_the_agent_is_and_where_it_listens(keel: Served) -> None:
+    response = await get(keel, CARD)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    card: dict[str, Any] = response.json()
+    assert card["name"] == "Keel test agent"
+    assert card["description"] and card["version"] == "0.1.0"
+    assert card["supportedInterfaces"] == [
+        {"url": keel.url, "protocolBinding": "JSONRPC", "protocolVersion": "1.0"},
+        {"url": keel.url, "protocolBinding": "JSONRPC", "protocolVersion": "0.3"},
+    ]
+    assert card["capabilities"] == {"streaming": True, "pushNotifications": False}
+    assert [skill["id"] for skill in card["skills"]] == ["triage"]
+    assert (card["url"], card["preferredTransport"], card["protocolVersion"]) == (keel.url, "JSONRPC", "0.3")
+    assert response.headers["etag"] and "max-age" in response.headers["cache-control"]
+
+
+async def test_the_agent_card_never_shows_the_system_prompt_and_sends_no_cors(keel: Served) -> None:
+    response = await get(keel, CARD)
+    assert SYSTEM_PROMPT not in response.text and "SECRET-PROMPT-MARKER" not in response.text
+    assert not [name for name in response.headers if name.lower().startswith("access-control-")]
+
+
+async def test_the_agent_card_names_the_configured_endpoint(fake_model: FakeModel, tmp_path: Path) -> None:
+    async with serve_keel(tmp_path / "state", fake_model, surface=SurfaceConfig(rpc_path="/a2a")) as keel:
+        card = (await get(keel, CARD)).json()
+    assert {interface["url"] for interface in card["supportedInterfaces"]} == {keel.url + "a2a"}
+
+
+async def test_the_agent_card_refuses_other_methods(keel: Served) -> None:
+    with trio.fail_after(DEADLINE_S):
+        response = await keel.http.post(CARD, json={})
+    assert response.status_code == 405
+    assert "GET" in response.headers["allow"]
+
+
+@pytest.mark.parametrize("path", ["/healthz/", "/.well-known/agent.json", "/metrics"])
+async def test_other_paths_are_a_plain_404(keel: Served, path: str) -> None:
+    response = await get(keel, path)
+    assert response.status_code == 404
+    assert response.headers["content-type"].startswith("text/plain")

@@ -1,0 +1,262 @@
+"""SSE streams through a real hypercorn server: the Task first, then updates, closing on a
+terminal or interrupted state; subscriptions; keep-alives; and a client that disconnects."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+from fake_model import FakeModel, Reply
+
+from protocol import (
+    Artifact,
+    ProtocolError,
+    ProtocolVersion,
+    SseParser,
+    StreamEvent,
+    Task,
+    TaskNotFound,
+    TaskState,
+    TaskStatus,
+    TaskStatusUpdateEvent,
+    TextPart,
+)
+from runtime.runner import ANONYMOUS
+from runtime.surface import SurfaceConfig
+from runtime.surface.streams import TaskEventStream
+from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message, serve_keel
+
+V1 = "1.0"
+V03 = None
+BOTH = pytest.mark.parametrize("version", [V1, V03], ids=["1.0", "0.3"])
+STREAM = {V1: "SendStreamingMessage", V03: "message/stream"}
+SUBSCRIBE = {V1: "SubscribeToTask", V03: "tasks/resubscribe"}
+
+
+def results(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    assert all(frame["jsonrpc"] == "2.0" and frame["id"] == 1 for frame in frames), frames
+    return [frame["result"] for frame in frames]
+
+
+def kind(result: dict[str, Any]) -> str:
+    """"task", "statusUpdate", "artifactUpdate" (1.0) or the 0.3 ``kind``."""
+    return result["kind"] if "kind" in result else next(iter(result))
+
+
+def body(result: dict[str, Any]) -> dict[str, Any]:
+    inner: dict[str, Any] = result if "kind" in result else next(iter(result.values()))
+    return inner
+
+
+def state(result: dict[str, Any]) -> str:
+    return body(result)["status"]["state"]  # type: ignore[no-any-return]
+
+
+async def test_v1_stream_begins_with_the_task_and_closes_after_completed(keel: Served) -> None:
+    keel.model.script = [Reply(text="The vault lease expired.")]
+    async with keel.stream("SendStreamingMessage", {"message": message("Why?")}) as events:
+        assert events.response.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert events.response.headers["cache-control"] == "no-store"
+        frames = results(await events.rest())
+    task = frames[0]["task"]
+    assert task["status"]["state"] == "TASK_STATE_SUBMITTED"
+    assert [kind(f) for f in frames[:2]] == ["task", "statusUpdate"]
+    assert state(frames[1]) == "TASK_STATE_WORKING"
+    assert kind(frames[-1]) == "statusUpdate" and state(frames[-1]) == "TASK_STATE_COMPLETED"
+    chunks = [f["artifactUpdate"] for f in frames if kind(f) == "artifactUpdate"]
+    assert "".join(c["artifact"]["parts"][0]["text"] for c in chunks if not c.get("lastChunk")) == "The vault lease expired."
+    assert chunks[-1]["lastChunk"] is True and chunks[-1]["artifact"]["parts"] == [{"text": "The vault lease expired."}]
+    assert all(body(f).get("taskId", task["id"]) == task["id"] for f in frames)
+    assert b'"final"' not in events.raw and b'"kind"' not in events.raw  # 1.0 has neither
+    stored = await keel.result("GetTask", {"id": task["id"]})
+    assert stored["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+async def test_v03_stream_marks_only_the_last_status_update_final(keel: Served) -> None:
+    keel.model.script = [Reply(text="The vault lease expired.")]
+    async with keel.stream("message/stream", {"message": message("Why?", V03)}, version=V03) as events:
+        frames = results(await events.rest())
+    assert frames[0]["kind"] == "task" and frames[0]["status"]["state"] == "submitted"
+    updates = [f for f in frames if f["kind"] == "status-update"]
+    assert [u["final"] for u in updates] == [False] * (len(updates) - 1) + [True]
+    assert frames[-1] is updates[-1] and frames[-1]["status"]["state"] == "completed"
+    assert all(f["kind"] in ("task", "status-update", "artifact-update") for f in frames)
+
+
+async def test_the_task_arrives_before_the_model_answers(keel: Served) -> None:
+    keel.model.script = [Reply(text="never sent", hang_after_chunks=0)]  # the model says nothing
+    async with keel.stream("SendStreamingMessage", {"message": message("Why?")}) as events:
+        first = await events.next()
+        assert first is not None
+        task = first["result"]["task"]
+        await keel.wait_for_model_requests(1)
+        canceled = await keel.result("CancelTask", {"id": task["id"]})
+        frames = results(await events.rest())
+    assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+    assert state(frames[-1]) == "TASK_STATE_CANCELED"
+
+
+@BOTH
+async def test_subscribe_follows_a_working_task_to_its_end(keel: Served, version: str | None) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+    task = await keel.send("Roll back", version=version, blocking=False)
+    await keel.gate.wait_entered()
+    async with keel.stream(SUBSCRIBE[version], {"id": task["id"]}, version=version) as events:
+        first = await events.next()
+        assert first is not None
+        assert kind(first["result"]) == "task" and body(first["result"])["id"] == task["id"]
+        assert state(first["result"]) in ("TASK_STATE_WORKING", "working")
+        keel.gate.opened.set()
+        frames = results(await events.rest())
+    last = frames[-1]
+    assert state(last) in ("TASK_STATE_COMPLETED", "completed")
+    if version is V03:
+        assert last["final"] is True
+    assert any(kind(f) in ("artifactUpdate", "artifact-update") for f in frames)
+
+
+async def test_resubscribe_during_a_cancel_ends_final_and_canceled(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL])]
+    task = await keel.send("Drain", version=V03, blocking=False)
+    await keel.gate.wait_entered()
+    async with keel.stream("tasks/resubscribe", {"id": task["id"]}, version=V03) as events:
+        assert await events.next() is not None
+        await keel.result("tasks/cancel", {"id": task["id"]}, version=V03)
+        frames = results(await events.rest())
+    assert frames[-1]["kind"] == "status-update"
+    assert frames[-1]["status"]["state"] == "canceled" and frames[-1]["final"] is True
+
+
+async def test_every_subscriber_gets_every_event(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done for both.")]
+    task = await keel.send("Roll back", blocking=False)
+    await keel.gate.wait_entered()
+    params = {"id": task["id"]}
+    async with keel.stream("SubscribeToTask", params) as one, keel.stream("SubscribeToTask", params) as two:
+        assert await one.next() == await two.next()
+        keel.gate.opened.set()
+        assert await one.rest() == await two.rest()
+
+
+@BOTH
+async def test_subscribe_to_a_terminal_task_is_unsupported_operation(keel: Served, version: str | None) -> None:
+    keel.model.script = [Reply(text="ok")]
+    done = await keel.send("one", version=version)
+    error = await keel.error(SUBSCRIBE[version], {"id": done["id"]}, version=version)
+    assert error["code"] == -32004
+    assert done["id"] in error["message"]
+
+
+@BOTH
+async def test_subscribe_to_an_unknown_task_is_task_not_found(keel: Served, version: str | None) -> None:
+    assert (await keel.error(SUBSCRIBE[version], {"id": "no-such-task"}, version=version))["code"] == -32001
+
+
+@BOTH
+async def test_a_stream_to_a_terminal_task_is_an_error_not_a_stream(keel: Served, version: str | None) -> None:
+    keel.model.script = [Reply(text="ok")]
+    done = await keel.send("one", version=version)
+    params = {"message": message("again", version, taskId=done["id"])}
+    assert (await keel.error(STREAM[version], params, version=version))["code"] == -32004
+
+
+async def test_a_stream_with_bad_params_is_an_error_not_a_stream(keel: Served) -> None:
+    assert (await keel.error("SendStreamingMessage", {"message": {"role": "ROLE_USER"}}))["code"] == -32602
+
+
+async def test_disconnecting_a_stream_leaves_the_task_running(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Finished all the same.")]
+    async with keel.stream("SendStreamingMessage", {"message": message("Roll back")}) as events:
+        first = await events.next()
+        assert first is not None
+        task_id = first["result"]["task"]["id"]
+        await keel.gate.wait_entered()
+        assert keel.runner.statistics().subscribers == 1
+    # The client has gone. Once the server has noticed, the subscription is gone and the run is not.
+    with trio.fail_after(DEADLINE_S):
+        while keel.runner.statistics().subscribers:
+            await trio.sleep(0.005)
+    assert keel.runner.statistics().running == 1
+    keel.gate.opened.set()
+    settled = await keel.runner.wait_settled(ANONYMOUS, task_id)
+    assert settled.status.state.value == "completed"
+    stored = await keel.result("GetTask", {"id": task_id})
+    assert stored["artifacts"][0]["parts"] == [{"text": "Finished all the same."}]
+
+
+async def test_an_idle_stream_sends_keepalive_comments(fake_model: FakeModel, tmp_path: Path) -> None:
+    async with serve_keel(tmp_path / "state", fake_model, surface=SurfaceConfig(keepalive_s=0.02)) as keel:
+        keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+        async with keel.stream("SendStreamingMessage", {"message": message("Roll back")}) as events:
+            assert await events.next() is not None
+            await keel.gate.wait_entered()
+            await events.wait_for_bytes(b"\n\n: keep-alive\n\n")
+            keel.gate.opened.set()
+            frames = results(await events.rest())
+        assert state(frames[-1]) == "TASK_STATE_COMPLETED"
+
+
+# -- the stream body on its own, against a runner double ------------------------------------------
+
+
+@attrs.define
+class ScriptedSubscriptions:
+    """A runner double whose subscription holds ``events`` and then ends (or raises ``error``)."""
+
+    events: list[StreamEvent] = attrs.field(factory=list)
+    error: ProtocolError | None = None
+
+    @asynccontextmanager
+    async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamEvent]]:
+        if self.error is not None:
+            raise self.error
+        send, receive = trio.open_memory_channel[StreamEvent](len(self.events))
+        for event in self.events:
+            send.send_nowait(event)
+        send.close()
+        with receive:
+            yield receive
+
+
+def task_in(state_: TaskState, *artifacts: Artifact) -> Task:
+    status = TaskStatus(state=state_, timestamp=datetime(2026, 11, 29, tzinfo=timezone.utc))
+    return Task(id="t-1", context_id="c-1", status=status, artifacts=artifacts)
+
+
+async def frames_of(subscriptions: ScriptedSubscriptions, first: Task | None) -> list[dict[str, Any]]:
+    stream = TaskEventStream(
+        runner=subscriptions, owner="o", task_id="t-1", request_id=1, version=ProtocolVersion.V1_0, keepalive_s=10, first=first
+    )
+    parser = SseParser()
+    async with stream as chunks:
+        raw = b"".join([chunk async for chunk in chunks])
+    return [json.loads(event.data) for event in parser.feed(raw)]
+
+
+async def test_a_streaming_send_catches_up_with_what_happened_before_it_subscribed() -> None:
+    answer = Artifact(artifact_id="answer", parts=[TextPart("done")])
+    later = TaskStatusUpdateEvent(task_id="t-1", context_id="c-1", status=task_in(TaskState.WORKING).status)
+    snapshot = task_in(TaskState.COMPLETED, answer)  # the run ended before the subscription opened
+    frames = results(await frames_of(ScriptedSubscriptions([snapshot, later]), first=task_in(TaskState.SUBMITTED)))
+    assert [kind(f) for f in frames] == ["task", "artifactUpdate", "statusUpdate"]
+    assert frames[1]["artifactUpdate"]["artifact"]["parts"] == [{"text": "done"}]
+    assert state(frames[2]) == "TASK_STATE_COMPLETED"  # and nothing after the end
+
+
+async def test_a_streaming_send_does_not_repeat_an_unchanged_task() -> None:
+    submitted = task_in(TaskState.SUBMITTED)
+    working = TaskStatusUpdateEvent(task_id="t-1", context_id="c-1", status=task_in(TaskState.WORKING).status)
+    frames = results(await frames_of(ScriptedSubscriptions([submitted, working]), first=submitted))
+    assert [kind(f) for f in frames] == ["task", "statusUpdate"]
+
+
+async def test_a_task_that_vanishes_before_its_stream_opens_gets_an_error_event() -> None:
+    frames = await frames_of(ScriptedSubscriptions(error=TaskNotFound("t-1")), first=None)
+    assert [frame["error"]["code"] for frame in frames] == [-32001]

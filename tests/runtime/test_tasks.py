@@ -1,0 +1,38 @@
+"""LiveTask: writes that apply each change to the newest task, and subscriptions that end at once."""
+
+from __future__ import annotations
+
+import attrs
+import trio
+
+from persistence.memory import MemoryTaskStore
+from protocol import Message, Role, Task, TaskState, TaskStatus, TextPart
+from runtime.tasks import LiveTask, decode, encode, now, with_status
+
+
+async def live_task(store: MemoryTaskStore) -> LiveTask:
+    task = Task(id="t-1", context_id="c-1", status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()))
+    record = await store.create("o", task_id=task.id, context_id=task.context_id, state="TASK_STATE_SUBMITTED", task_json=encode(task))
+    return LiveTask(owner="o", task=task, version=record.version)
+
+
+async def test_persist_applies_each_change_to_the_task_as_it_stands_when_written() -> None:
+    store = MemoryTaskStore()
+    live = await live_task(store)
+    steer = Message(message_id="m-2", role=Role.USER, parts=[TextPart("use staging")], task_id="t-1", context_id="c-1")
+    async with trio.open_nursery() as nursery:
+        # The run moves to WORKING while a steer is added: whichever writes second must keep both.
+        nursery.start_soon(live.persist, store, lambda task: with_status(task, TaskState.WORKING))
+        nursery.start_soon(live.persist, store, lambda task: attrs.evolve(task, history=(*task.history, steer)))
+    stored = decode(await store.get("o", "t-1"))
+    for task in (live.task, stored):
+        assert task.status.state is TaskState.WORKING
+        assert task.history == (steer,)
+
+
+async def test_unsubscribe_forgets_the_subscriber_at_once() -> None:
+    live = await live_task(MemoryTaskStore())
+    receive = live.subscribe()
+    assert live.subscribers == 1
+    live.unsubscribe(receive)
+    assert live.subscribers == 0
