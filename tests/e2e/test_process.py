@@ -1,0 +1,122 @@
+"""`python -m runtime serve` as a real process: startup order, restarts, SIGKILL, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import trio
+
+from fake_model import FakeModel, Reply
+from persistence.journal import JOURNAL_NAME
+from tests.e2e.harness import keel_process, rpc, run_serve_to_exit, stored_task, user_message, wait_stored_state
+
+
+async def test_serve_refuses_a_planted_prepared_journal_before_creating_any_database(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / JOURNAL_NAME).write_text(json.dumps({"phase": "prepared"}))
+    refused = await run_serve_to_exit(state, fake_model.base_url)
+    assert refused.returncode != 0
+    assert "Restore journal is incomplete or has unsupported fields." in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert sorted(p.name for p in state.iterdir() if p.suffix == ".db") == []
+    assert (state / JOURNAL_NAME).exists(), "the journal is evidence and stays for the operator"
+
+    (state / JOURNAL_NAME).unlink()
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient() as client:
+        assert (await client.get(keel.url + "livez")).json() == {"status": "alive"}
+        assert await keel.terminate() == 0
+
+
+async def test_serve_refuses_a_database_from_a_newer_keel_and_names_the_file(tmp_path: Path, fake_model: FakeModel) -> None:
+    import sqlite3
+
+    from persistence.schema import SchemaIdentity, write_identity_txn
+
+    state = tmp_path / "state"
+    state.mkdir()
+    with sqlite3.connect(state / "tasks.db") as conn:
+        write_identity_txn(conn, SchemaIdentity("keel.tasks", 99))
+    refused = await run_serve_to_exit(state, fake_model.base_url)
+    assert refused.returncode != 0
+    assert "tasks.db" in refused.stderr and "keel.tasks@99" in refused.stderr and "Upgrade Keel" in refused.stderr
+    assert not (state / "runtime.db").exists(), "preflight refuses before any store is opened"
+
+
+async def test_a_new_task_in_the_same_context_after_a_restart_continues_the_conversation(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [Reply(text="Paris."), Reply(text="About 2.1 million.")]
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url) as keel:
+            first = await rpc(client, keel.url, "SendMessage", {"message": user_message("Capital of France?")})
+            task = first["result"]["task"]
+            assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+            assert await keel.terminate() == 0
+        async with keel_process(state, fake_model.base_url) as keel:
+            second = await rpc(
+                client, keel.url, "SendMessage", {"message": user_message("And its population?", context_id=task["contextId"])}
+            )
+            assert second["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+            assert second["result"]["task"]["id"] != task["id"]
+            await keel.terminate()
+    seen = [m.get("content") for m in fake_model.bodies[1]["messages"] if m["role"] != "system"]
+    assert seen == ["Capital of France?", "Paris.", "And its population?"]
+
+
+async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(tmp_path: Path, fake_model: FakeModel) -> None:
+    # The first answer streams slowly, so the process can be killed in the middle of it.
+    fake_model.script = [Reply(text="a slow answer that never finishes " * 4, chunk_chars=2, gap_s=0.2)]
+    fake_model.default = Reply(text="The resumed answer.")
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url) as keel:
+            sent = await rpc(
+                client, keel.url, "SendMessage",
+                {"message": user_message("Tell me slowly."), "configuration": {"returnImmediately": True}},
+            )  # fmt: skip
+            task_id = sent["result"]["task"]["id"]
+            await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+            with trio.fail_after(30):
+                while not fake_model.bodies:
+                    await trio.sleep(0.02)
+            assert await keel.kill() == -9
+        assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
+        async with keel_process(state, fake_model.base_url) as keel:
+            assert await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"]) == "TASK_STATE_COMPLETED"
+            got = await rpc(client, keel.url, "GetTask", {"id": task_id})
+            assert got["result"]["status"]["message"]["parts"] == [{"text": "The resumed answer."}]
+            await keel.terminate()
+    # The step in flight was redone from the saved transcript: the same question, asked again.
+    assert [m.get("content") for m in fake_model.bodies[-1]["messages"] if m["role"] == "user"] == ["Tell me slowly."]
+
+
+async def test_sigterm_lets_a_running_task_finish_then_exits_zero(tmp_path: Path, fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="finishing within the drain", chunk_chars=4, gap_s=0.05)]
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client, keel_process(state, fake_model.base_url, "--drain-timeout-s", "20") as keel:
+        sent = await rpc(
+            client, keel.url, "SendMessage", {"message": user_message("go"), "configuration": {"returnImmediately": True}}
+        )
+        task_id = sent["result"]["task"]["id"]
+        await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+        assert await keel.terminate() == 0
+    assert stored_task(state, task_id)[0] == "TASK_STATE_COMPLETED"  # type: ignore[index]
+
+
+async def test_sigterm_cancels_what_outlives_the_drain_and_records_it_canceled(tmp_path: Path, fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="never done", hang_after_chunks=1)]
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client, keel_process(state, fake_model.base_url, "--drain-timeout-s", "0.5") as keel:
+        sent = await rpc(
+            client, keel.url, "SendMessage", {"message": user_message("hang"), "configuration": {"returnImmediately": True}}
+        )
+        task_id = sent["result"]["task"]["id"]
+        await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+        assert await keel.terminate() == 0
+    assert stored_task(state, task_id)[0] == "TASK_STATE_CANCELED"  # type: ignore[index]
