@@ -40,6 +40,7 @@ from protocol import (
 from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, TextDelta
 from runtime.models import ModelError
 from runtime.tasks import (
+    INTERNAL_KEY,
     STORED_VERSION,
     LiveTask,
     agent_message,
@@ -49,6 +50,7 @@ from runtime.tasks import (
     message_text,
     new_id,
     now,
+    public,
     with_status,
 )
 
@@ -56,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"  # the owner of every task until requests carry an identity
 ANSWER_ARTIFACT = "answer"
-METADATA_KEY = "keel"  # task.metadata["keel"]["transcriptStart"]: the session length the turn began at
+HISTORY_WRITE_ATTEMPTS = 5
 
 
 Outcome = Callable[[Task], Task]
@@ -119,6 +121,9 @@ class Runner:
         """Refuse new work and start draining (see ``run``)."""
         self._stopping.set()
 
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
@@ -136,7 +141,7 @@ class Runner:
         """A new task (SUBMITTED, durable before this returns), or a steer for a working one."""
         message = params.message
         if message.task_id:
-            return await self._to_existing(owner, message.task_id, params)
+            return public(await self._to_existing(owner, message.task_id, params))
         self._refuse_if_stopping()
         context_id = message.context_id or new_id()
         task_id = new_id()
@@ -170,18 +175,33 @@ class Runner:
         # A message to a working task is a steer: stored for the session, taken exactly once
         # before the run's next model request, wherever that run is.
         await self.sessions.add_steer(task.context_id, text)
-        live = self._live.get(task_id)
-        if live is not None:
-            return await live.persist(self.tasks, lambda current: attrs.evolve(current, history=(*current.history, message)))
-        updated = attrs.evolve(task, history=(*task.history, message))
-        await self.tasks.update(
-            owner, task_id, state=state.wire_name(STORED_VERSION), task_json=encode(updated), expected_version=version
-        )
-        return updated
+        return await self._add_to_history(owner, task, version, message)
+
+    async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
+        """Record a steering message in the task's history, whoever writes the task meanwhile.
+
+        The steer itself is already stored: if the run ended in between, the next turn of the
+        conversation takes it, and the message is still recorded on this task.
+        """
+        for _ in range(HISTORY_WRITE_ATTEMPTS):
+            live = self._live.get(task.id)
+            if live is not None:
+                return await live.persist(self.tasks, lambda current: attrs.evolve(current, history=(*current.history, message)))
+            updated = attrs.evolve(task, history=(*task.history, message))
+            try:
+                await self.tasks.update(
+                    owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(updated),
+                    expected_version=version,
+                )  # fmt: skip
+                return updated
+            except store_errors.VersionConflict:
+                task, version = await load(self.tasks, owner, task.id)
+        raise UnsupportedOperation(f"task {task.id!r} kept changing while a message was added; send it again")
 
     async def get(self, owner: str, task_id: str, history_length: int | None = None) -> Task:
         live = self._live.get(task_id)
         task = live.task if live is not None and live.owner == owner else (await load(self.tasks, owner, task_id))[0]
+        task = public(task)
         return task if history_length is None else trim_history(task, history_length, STORED_VERSION)
 
     async def list_tasks(self, owner: str, params: ListTasksParams) -> ListTasksResult:
@@ -199,7 +219,7 @@ class Runner:
             raise InvalidParams("pageToken" if "token" in str(exc) else "pageSize", str(exc)) from exc
         tasks = []
         for record in page.records:
-            task = decode(record)
+            task = public(decode(record))
             if params.history_length is not None:
                 task = trim_history(task, params.history_length, STORED_VERSION)
             if not params.include_artifacts:
@@ -223,7 +243,7 @@ class Runner:
                 return await self._cancel_stored(owner, task, version)
         live.scope.cancel()
         await live.settled.wait()
-        return live.task
+        return public(live.task)
 
     async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
         """Settle a task no run of this process holds (its process died, or it ended just now)."""
@@ -236,7 +256,7 @@ class Runner:
         except store_errors.VersionConflict:
             # It changed after it was read (a run that has just ended wrote it): judge it again.
             return await self.cancel(owner, task.id)
-        return canceled
+        return public(canceled)
 
     @asynccontextmanager
     async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamEvent]]:
@@ -246,7 +266,7 @@ class Runner:
         if live is None or live.owner != owner:
             task, _ = await load(self.tasks, owner, task_id)
             send, receive = trio.open_memory_channel[StreamEvent](1)
-            send.send_nowait(task)
+            send.send_nowait(public(task))
             send.close()
             with receive:
                 yield receive
@@ -266,7 +286,7 @@ class Runner:
         # The run's snapshot is what its last write stored (LiveTask changes it only once that
         # write is durable), so it is not read back: a store read and a decode less per blocking
         # send, about a seventh of its CPU in scripts/bench/a2a.py.
-        return live.task
+        return public(live.task)
 
     # -- runs -------------------------------------------------------------------------------------
 
@@ -318,7 +338,7 @@ class Runner:
                 return self._completed(live, messages[-1].text)
             # Otherwise a resumed run continues from the transcript as saved: the step in flight
             # when the process died is done again (see AgentRun._ask).
-            metadata = {**(task.metadata or {}), METADATA_KEY: {"transcriptStart": start}}
+            metadata = {**(task.metadata or {}), INTERNAL_KEY: {"transcriptStart": start}}
             await live.persist(self.tasks, lambda current: attrs.evolve(with_status(current, TaskState.WORKING), metadata=metadata))
             stream = _AnswerStream(live)
             run = AgentRun(self.model, self.agent, messages, session=session, on_event=stream.on_event)
@@ -361,7 +381,7 @@ def _answered(turn: list[Transcribed]) -> bool:
 
 
 def _transcript_start(task: Task) -> int | None:
-    keel = (task.metadata or {}).get(METADATA_KEY)
+    keel = (task.metadata or {}).get(INTERNAL_KEY)
     if isinstance(keel, dict) and isinstance(keel.get("transcriptStart"), int):
         return int(keel["transcriptStart"])
     return None

@@ -8,8 +8,9 @@
 6. the runner, which adopts what a dead process left running;
 7. the A2A surface on hypercorn; /healthz answers ready only from here on.
 
-Shutdown (``shutdown`` set, e.g. by SIGTERM): stop accepting, give runs ``drain_timeout_s`` to
-finish, cancel the rest (each writes its terminal state), close the stores.
+Shutdown (``shutdown`` set, e.g. by SIGTERM): refuse new tasks and answer /healthz unready, give
+runs ``drain_timeout_s`` to finish, cancel the rest (each writes its terminal state), then close
+HTTP and the stores.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 SESSIONS_FILE = "runtime.db"
 TASKS_FILE = "tasks.db"
+HTTP_GRACE_S = 2.0
 
 
 @attrs.frozen
@@ -95,20 +97,27 @@ async def _serve_in(
             )
             runner: Runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
             readiness = Readiness()
-            health = Health(state_dir=state_dir, model=model)
+            health = Health(
+                state_dir=state_dir, model=model, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping
+            )
             http_done = trio.Event()
 
-            async def stop_accepting() -> None:
+            async def drain_then_close_http() -> None:
+                # New tasks are refused from the signal on, and /healthz says unready so that a
+                # load balancer moves away; the rest of the protocol keeps answering while runs
+                # finish (a client can still follow, get or cancel its task). Once every run has
+                # settled, HTTP closes, with a short grace for the requests still in flight.
                 await shutdown.wait()
                 logger.info("shutting down: no new tasks; runs have %g s to finish", config.drain_timeout_s)
                 runner.stop()
+                await runner.wait_stopped()
 
             async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 try:
                     await hypercorn.trio.serve(
                         create_app(runner=runner, card_for=agent_card, health=health, readiness=readiness),
                         _http_config(config),
-                        shutdown_trigger=stop_accepting,
+                        shutdown_trigger=drain_then_close_http,
                         task_status=task_status,
                     )
                 finally:
@@ -130,7 +139,9 @@ def _http_config(config: Config) -> hypercorn.Config:
     http = hypercorn.Config()
     http.bind = [f"{config.host}:{config.port}"]
     http.accesslog = None
-    # Streams of running tasks end as the runner drains them; give them that long and a little.
-    http.graceful_timeout = config.drain_timeout_s + config.cleanup_timeout_s + 1
+    http.errorlog = logging.getLogger("hypercorn.error")  # through our logging, printed once
+    # By the time HTTP closes every run has settled and its streams have had their last event;
+    # what is left are short requests and idle keep-alive connections.
+    http.graceful_timeout = HTTP_GRACE_S
     return http
 

@@ -68,6 +68,7 @@ class Health:
     model: ModelCatalog | None = None
     session_file: str = "runtime.db"
     task_file: str = "tasks.db"
+    draining: Callable[[], bool] | None = None  # true once the server is shutting down
     probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
 
     async def problems(self) -> list[str]:
@@ -77,6 +78,8 @@ class Health:
         and its worker thread is abandoned: it only reads, or removes its own file). Raises
         nothing but Cancelled.
         """
+        if self.draining is not None and self.draining():
+            return ["the server is shutting down: it takes no new tasks"]
         probes = self._probes()
         found: list[list[str]] = [[] for _ in probes]
         async with trio.open_nursery() as nursery:

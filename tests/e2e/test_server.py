@@ -1,0 +1,55 @@
+"""runtime.server.serve end to end: the root nursery's shutdown, and what clients never see."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import trio
+
+from fake_model import FakeModel, Reply
+from runtime.agent import AgentSpec
+from tests.e2e.harness import rpc, user_message
+from tests.e2e.served_server import running_server
+from tests.runtime.served import GATE_CALL, Gate
+
+
+async def test_shutdown_refuses_new_tasks_reports_unready_and_lets_a_running_task_finish(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    gate = Gate()
+    agent = AgentSpec(system_prompt="test", tools=(gate.tool(),))
+    fake_model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="done after the gate")]
+    async with httpx.AsyncClient(timeout=30) as client, running_server(tmp_path / "state", fake_model.base_url, agent=agent) as server:
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("hold"), "configuration": {"returnImmediately": True}})
+        task_id = sent["result"]["task"]["id"]
+        await gate.wait_entered()
+        server.shutdown.set()
+        with trio.fail_after(10):
+            while (health := await client.get(server.url + "healthz")).status_code == 200:
+                await trio.sleep(0.01)
+        assert health.json() == {"status": "unready", "problems": ["the server is shutting down: it takes no new tasks"]}
+        refused = await rpc(client, server.url, "SendMessage", {"message": user_message("too late")})
+        assert refused["error"]["code"] == -32004 and "shutting down" in refused["error"]["message"]
+        working = await rpc(client, server.url, "GetTask", {"id": task_id})
+        assert working["result"]["status"]["state"] == "TASK_STATE_WORKING"
+        gate.opened.set()
+        with trio.fail_after(30):
+            await server.stopped.wait()
+    from tests.e2e.harness import stored_task
+
+    state, task = stored_task(tmp_path / "state", task_id)  # type: ignore[misc]
+    assert state == "TASK_STATE_COMPLETED"
+    assert task["status"]["message"]["parts"] == [{"text": "done after the gate"}]
+
+
+async def test_clients_never_see_the_runners_notes_in_task_metadata(tmp_path: Path, fake_model: FakeModel) -> None:
+    fake_model.default = Reply(text="ok")
+    async with httpx.AsyncClient(timeout=30) as client, running_server(tmp_path / "state", fake_model.base_url) as server:
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("hi"), "metadata": {"mine": 1}})
+        task = sent["result"]["task"]
+        got = (await rpc(client, server.url, "GetTask", {"id": task["id"]}))["result"]
+        listed = (await rpc(client, server.url, "ListTasks", {}))["result"]["tasks"]
+        for seen in (task, got, *listed):
+            assert "keel" not in (seen.get("metadata") or {}), seen.get("metadata")
+        assert got["metadata"] == {"mine": 1}
