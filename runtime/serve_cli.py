@@ -66,6 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("httpx", "httpcore"):  # a line per model request is noise, and costs CPU
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     failures: list[BaseException] = []
     try:
         trio.run(_main, config)

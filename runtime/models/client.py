@@ -325,6 +325,10 @@ class ChatStream:
             raise RuntimeError("Read a ChatStream inside 'async with client.stream(request) as chunks:'.")
         while not self._pending:
             if self._assembler.done:
+                # Read on to the end of the body (nothing follows [DONE]), so the reader ends
+                # on its own rather than being unwound by __aexit__: much cheaper, every call.
+                while not self._lines_ended and await self._read_line() is not None:
+                    pass
                 raise StopAsyncIteration
             line = await self._read_line()
             self._pending.extend(self._assembler.end_of_stream() if line is None else self._assembler.feed_line(line))
