@@ -91,14 +91,17 @@ async def _serve_in(
         await nursery.start(sessions.run)
         await nursery.start(tasks.run)
         model_config = ModelConfig(base_url=config.model_base_url, model=config.model, api_key=config.model_api_key)
-        async with open_model_client(model_config) as model:
+        # Readiness asks the catalog once, quickly: a probe that retried with backoff would make
+        # /healthz slow exactly when the model server is down.
+        probe_config = attrs.evolve(model_config, max_retries=0, connect_timeout_s=1.0, read_timeout_s=2.0)
+        async with open_model_client(model_config) as model, open_model_client(probe_config) as catalog:
             runner_config = RunnerConfig(
                 orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s
             )
             runner: Runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
             readiness = Readiness()
             health = Health(
-                state_dir=state_dir, model=model, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping
+                state_dir=state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping
             )
             http_done = trio.Event()
 

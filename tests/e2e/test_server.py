@@ -53,3 +53,19 @@ async def test_clients_never_see_the_runners_notes_in_task_metadata(tmp_path: Pa
         for seen in (task, got, *listed):
             assert "keel" not in (seen.get("metadata") or {}), seen.get("metadata")
         assert got["metadata"] == {"mine": 1}
+
+
+async def test_healthz_names_an_unreachable_model_server_without_waiting_on_retries(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+    async with httpx.AsyncClient(timeout=30) as client, running_server(tmp_path / "state", dead_url) as server:
+        assert (await client.get(server.url + "livez")).json() == {"status": "alive"}
+        with trio.fail_after(3):  # one attempt, not the request path's retries with backoff
+            health = await client.get(server.url + "healthz")
+        assert health.status_code == 503
+        problems = health.json()["problems"]
+        assert len(problems) == 1 and problems[0].startswith("model server unavailable")
+        assert dead_url.split("//")[1].split("/")[0] not in problems[0], "the model server's address is not for clients"
