@@ -69,3 +69,26 @@ async def test_healthz_names_an_unreachable_model_server_without_waiting_on_retr
         problems = health.json()["problems"]
         assert len(problems) == 1 and problems[0].startswith("model server unavailable")
         assert dead_url.split("//")[1].split("/")[0] not in problems[0], "the model server's address is not for clients"
+
+
+async def test_a_steer_sent_while_the_answer_is_written_gets_one_more_step(tmp_path: Path, fake_model: FakeModel) -> None:
+    # The first answer streams slowly; the steer arrives in the middle of it.
+    fake_model.script = [Reply(text="The first answer, written slowly.", chunk_chars=2, gap_s=0.05), Reply(text="Second, steered.")]
+    async with httpx.AsyncClient(timeout=30) as client, running_server(tmp_path / "state", fake_model.base_url) as server:
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("Answer me."), "configuration": {"returnImmediately": True}})
+        task = sent["result"]["task"]
+        with trio.fail_after(10):
+            while not fake_model.bodies:
+                await trio.sleep(0.01)
+        # A blocking send to the working task: it steers, then waits for the task to settle.
+        steered = await rpc(
+            client, server.url, "SendMessage",
+            {"message": user_message("Mention the steer.", task_id=task["id"], context_id=task["contextId"])},
+        )  # fmt: skip
+    done = steered["result"]["task"]
+    assert done["id"] == task["id"] and done["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert done["status"]["message"]["parts"] == [{"text": "Second, steered."}]
+    assert [m["parts"][0]["text"] for m in done["history"]][:2] == ["Answer me.", "Mention the steer."]
+    assert len(fake_model.bodies) == 2
+    last_user = [m["content"] for m in fake_model.bodies[1]["messages"] if m["role"] == "user"][-1]
+    assert last_user.endswith("Mention the steer.") and "while you were working" in last_user
