@@ -56,28 +56,16 @@ class MemorySessionStore(_Closable):
     data: MemorySessionData = attrs.field(factory=MemorySessionData)
     max_event_bytes: int = attrs.field(default=MAX_EVENT_BYTES, kw_only=True)
 
-    @property
-    def _events(self) -> dict[str, list[Event]]:
-        return self.data.events
-
-    @property
-    def _states(self) -> dict[tuple[str, str, str], str]:
-        return self.data.states
-
-    @property
-    def _steers(self) -> dict[str, list[str]]:
-        return self.data.steers
-
     def turn_locks_held(self) -> int:
         return len(self.data.locks)
 
     async def create_session(self, session_id: str, *, app_name: str = DEFAULT_APP_NAME, user_id: str = "") -> None:
         check_session_id(session_id)
         await self._enter()
-        self._events.setdefault(session_id, [])
+        self.data.events.setdefault(session_id, [])
 
     def _extend(self, session_id: str, contents: Sequence[str], author: str) -> int:
-        events = self._events.setdefault(session_id, [])
+        events = self.data.events.setdefault(session_id, [])
         start, now = len(events), now_ms()
         events.extend(Event(seq=start + i, author=author, created_at_ms=now, content=c) for i, c in enumerate(contents))
         return start
@@ -89,7 +77,7 @@ class MemorySessionStore(_Closable):
         contents = list(contents)
         check_contents(session_id, contents, first_index=0, max_bytes=self.max_event_bytes)
         await self._enter()
-        length = len(self._events.get(session_id, ()))
+        length = len(self.data.events.get(session_id, ()))
         if at is not None and at != length:
             raise TranscriptConflict(session_id, f"an append at position {at} does not follow the {length} stored events")
         return self._extend(session_id, contents, author)
@@ -97,18 +85,18 @@ class MemorySessionStore(_Closable):
     async def save(self, session_id: str, messages: Sequence[Message]) -> None:
         check_session_id(session_id)
         await self._enter()
-        events = self._events.get(session_id, [])
+        events = self.data.events.get(session_id, [])
         last = events[-1].content if events else None
         contents = plan_save(session_id, messages, stored=len(events), last_stored=last, max_bytes=self.max_event_bytes)
         self._extend(session_id, contents, "agent")
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         await self._enter()
-        return list(self._events.get(session_id, ())[after + 1 :])
+        return list(self.data.events.get(session_id, ())[after + 1 :])
 
     async def length(self, session_id: str) -> int:
         await self._enter()
-        return len(self._events.get(session_id, ()))
+        return len(self.data.events.get(session_id, ()))
 
     async def messages(self, session_id: str) -> list[Message]:
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
@@ -117,23 +105,23 @@ class MemorySessionStore(_Closable):
         check_session_id(session_id)
         check_steer(session_id, text)
         await self._enter()
-        self._steers.setdefault(session_id, []).append(text)
+        self.data.steers.setdefault(session_id, []).append(text)
 
     async def take_steers(self, session_id: str) -> list[str]:
         await self._enter()
-        return self._steers.pop(session_id, [])
+        return self.data.steers.pop(session_id, [])
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         return self.data.locks.hold(session_id)
 
     async def _get(self, key: tuple[str, str, str]) -> dict[str, object]:
         await self._enter()
-        return dict(json.loads(self._states.get(key, "{}")))
+        return dict(json.loads(self.data.states.get(key, "{}")))
 
     async def _set(self, key: tuple[str, str, str], state: dict[str, object]) -> None:
         text = json.dumps(state, sort_keys=True)
         await self._enter()
-        self._states[key] = text
+        self.data.states[key] = text
 
     async def get_state(self, session_id: str) -> dict[str, object]:
         return await self._get(("", "", session_id))
@@ -141,7 +129,7 @@ class MemorySessionStore(_Closable):
     async def set_state(self, session_id: str, state: dict[str, object]) -> None:
         check_session_id(session_id)
         await self._set(("", "", session_id), state)
-        self._events.setdefault(session_id, [])
+        self.data.events.setdefault(session_id, [])
 
     async def get_app_state(self, app_name: str) -> dict[str, object]:
         return await self._get((app_name, "", ""))
@@ -162,25 +150,21 @@ class MemoryTaskStore(_Closable):
 
     tasks: dict[str, TaskRecord] = attrs.field(factory=dict)
 
-    @property
-    def _tasks(self) -> dict[str, TaskRecord]:
-        return self.tasks
-
     async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord:
         await self._enter()
-        if task_id in self._tasks:
+        if task_id in self.tasks:
             raise TaskExists(task_id)
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
             created_at_ms=now, updated_at_ms=now, task_json=task_json,
         )  # fmt: skip
-        self._tasks[task_id] = record
+        self.tasks[task_id] = record
         return record
 
     async def get(self, owner: str, task_id: str) -> TaskRecord:
         await self._enter()
-        record = self._tasks.get(task_id)
+        record = self.tasks.get(task_id)
         if record is None or record.owner != owner:
             raise TaskNotFound(task_id)
         return record
@@ -192,7 +176,7 @@ class MemoryTaskStore(_Closable):
         if expected_version is not None and expected_version != current.version:
             raise VersionConflict(task_id, expected_version, current.version)
         new = attrs.evolve(current, state=state, task_json=task_json, version=current.version + 1, updated_at_ms=now_ms())
-        self._tasks[task_id] = new
+        self.tasks[task_id] = new
         return new
 
     async def list(
@@ -211,7 +195,7 @@ class MemoryTaskStore(_Closable):
         matching = sorted(
             (
                 r
-                for r in self._tasks.values()
+                for r in self.tasks.values()
                 if r.owner == owner
                 and (context_id is None or r.context_id == context_id)
                 and (state is None or r.state == state)
@@ -227,4 +211,4 @@ class MemoryTaskStore(_Closable):
 
     async def unfinished(self) -> list[TaskRecord]:
         await self._enter()
-        return sorted((r for r in self._tasks.values() if r.state in UNFINISHED_STATES), key=lambda r: (r.created_at_ms, r.id))
+        return sorted((r for r in self.tasks.values() if r.state in UNFINISHED_STATES), key=lambda r: (r.created_at_ms, r.id))

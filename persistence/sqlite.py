@@ -199,10 +199,6 @@ class SqlitePool:
             raise StoreClosed(str(self.path))
         return await trio.to_thread.run_sync(self._call, fn, args, limiter=self._limiter)
 
-    async def write(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(conn, *args)`` as one BEGIN IMMEDIATE transaction in the pool's thread."""
-        return await self.run(transaction, fn, *args)
-
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if self._closed:  # closed while this call waited for the limiter
             raise StoreClosed(str(self.path))

@@ -127,10 +127,6 @@ class Runner:
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
-    @property
-    def running(self) -> int:
-        return len(self._live)
-
     def statistics(self) -> RunnerStatistics:
         live = list(self._live.values())
         return RunnerStatistics(running=len(live), subscribers=sum(task.subscribers for task in live))
