@@ -93,6 +93,10 @@ class GroupCommitWriter:
                 except Exception as exc:
                     for item in batch.items:
                         item.error = exc
+                except BaseException:  # cancelled before the batch reached the thread: nothing written
+                    for item in batch.items:
+                        item.error = StoreClosed(str(self.pool.path))
+                    raise
                 finally:
                     self.batches += 1
                     batch.done.set()

@@ -7,6 +7,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,136 @@ async def test_group_commit_writes_queued_before_close_are_committed(tmp_path: P
     assert sorted(done) == list(range(20))
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT count(*) FROM app_states").fetchone()[0] == 20
+
+
+async def test_a_pools_calls_run_one_at_a_time_in_its_own_thread_in_the_order_made(tmp_path: Path) -> None:
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    seen: list[tuple[int, str]] = []
+    running = 0
+
+    def call(_conn: sqlite3.Connection, n: int) -> int:
+        nonlocal running
+        running += 1
+        assert running == 1, "two calls ran at once"
+        seen.append((n, threading.current_thread().name))
+        running -= 1
+        return n * n
+
+    results: dict[int, int] = {}
+
+    async def one(n: int) -> None:
+        results[n] = await pool.run(call, n)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for n in range(50):
+                nursery.start_soon(one, n)
+                await trio.lowlevel.checkpoint()  # so that the calls are made in this order
+    finally:
+        await pool.aclose()
+    assert results == {n: n * n for n in range(50)}
+    assert [n for n, _ in seen] == list(range(50))
+    assert {name for _, name in seen} == {"sqlite runtime.db"}
+    assert threading.current_thread().name not in {name for _, name in seen}
+    assert not [t for t in threading.enumerate() if t.name == "sqlite runtime.db"], "the pool's thread outlived aclose()"
+
+
+async def test_a_pool_call_once_queued_finishes_and_the_cancellation_comes_after(tmp_path: Path) -> None:
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_insert(conn: sqlite3.Connection) -> None:
+        started.set()
+        release.wait(10)
+        conn.execute("INSERT INTO app_states VALUES ('slow', '{}', 0)")
+
+    try:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def cancel_when_started() -> None:
+                    await trio.to_thread.run_sync(started.wait, 10)
+                    scope.cancel()
+                    await trio.testing.wait_all_tasks_blocked()
+                    release.set()
+
+                nursery.start_soon(cancel_when_started)
+                await pool.run(slow_insert)  # returns: the call ran whole ...
+                await trio.lowlevel.checkpoint()  # ... and the cancellation lands at the next checkpoint
+                pytest.fail("the cancellation was lost")
+        assert scope.cancelled_caught
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await pool.run(lambda conn: conn.execute("INSERT INTO app_states VALUES ('never', '{}', 0)"))
+        names = await pool.run(lambda conn: [r[0] for r in conn.execute("SELECT app_name FROM app_states")])
+    finally:
+        await pool.aclose()
+    assert names == ["slow"]  # the queued call ran whole; the one cancelled before queueing never ran
+
+
+async def test_a_closed_pool_refuses_calls_and_fails_those_queued_behind_the_close(tmp_path: Path) -> None:
+    from persistence.errors import StoreClosed
+
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    outcomes: list[str] = []
+
+    async def call() -> None:
+        try:
+            await pool.run(lambda conn: conn.execute("SELECT 1").fetchone())
+            outcomes.append("ran")
+        except StoreClosed as exc:
+            assert "runtime.db" in str(exc)
+            outcomes.append("closed")
+
+    async with trio.open_nursery() as nursery:
+        await pool.run(lambda conn: None)  # the thread is running
+        for _ in range(5):
+            nursery.start_soon(call)
+        await trio.testing.wait_all_tasks_blocked()
+        await pool.aclose()
+    assert outcomes.count("ran") + outcomes.count("closed") == 5
+    with pytest.raises(StoreClosed, match="runtime.db"):
+        await pool.run(lambda conn: None)
+
+
+async def test_a_cancelled_writer_never_acknowledges_a_write_it_did_not_make(tmp_path: Path) -> None:
+    """Cancelling the writer's scope at every point of a busy moment: each write either returned
+    (and its row is on disk) or raised StoreClosed (and it is not)."""
+    from persistence.errors import StoreClosed
+
+    path = tmp_path / "runtime.db"
+    acknowledged: set[str] = set()
+    refused: set[str] = set()
+    for trial in range(30):
+        pool = await SqlitePool.open(path, SESSIONS_SCHEMA)
+        writer = GroupCommitWriter(pool)
+
+        async def write(name: str, writer: GroupCommitWriter = writer) -> None:
+            try:
+                await writer.submit(lambda conn: conn.execute("INSERT INTO app_states VALUES (?, '{}', 0)", (name,)))
+                acknowledged.add(name)
+            except StoreClosed:
+                refused.add(name)
+
+        writer_scope = trio.CancelScope()
+
+        async def run_writer(*, task_status: trio.TaskStatus[None], writer: GroupCommitWriter = writer, scope: trio.CancelScope = writer_scope) -> None:
+            with scope:
+                await writer.run(task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_writer)
+            for n in range(8):
+                nursery.start_soon(write, f"{trial}-{n}")
+            for _ in range(trial % 6):
+                await trio.lowlevel.checkpoint()
+            writer_scope.cancel()
+        await pool.aclose()
+    with sqlite3.connect(path) as conn:
+        on_disk = {row[0] for row in conn.execute("SELECT app_name FROM app_states")}
+    assert acknowledged <= on_disk, f"acknowledged but never written: {sorted(acknowledged - on_disk)}"
+    assert not (refused & on_disk)
+    assert acknowledged | refused == {f"{t}-{n}" for t in range(30) for n in range(8)}
 
 
 async def test_a_transcript_outlives_the_store_that_wrote_it(tmp_path: Path) -> None:
