@@ -46,11 +46,32 @@ class _Item:
 
 
 class _Batch:
-    __slots__ = ("items", "done")
+    """Writes committed together, and the tasks waiting for that commit.
+
+    The waiters are parked with ``wait_task_rescheduled`` directly rather than on a
+    ``trio.Event``: every append waits once, and at 64 appenders the event's layers are a
+    measurable share of a batch."""
+
+    __slots__ = ("items", "waiters")
 
     def __init__(self) -> None:
         self.items: list[_Item] = []
-        self.done = trio.Event()
+        self.waiters: list[trio.lowlevel.Task] = []
+
+    async def wait(self) -> None:
+        task = trio.lowlevel.current_task()
+        self.waiters.append(task)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            self.waiters.remove(task)  # cancelled: stop waiting; the write itself stays queued
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def done(self) -> None:
+        for task in self.waiters:
+            trio.lowlevel.reschedule(task)
+        self.waiters.clear()
 
 
 @attrs.define(eq=False)
@@ -99,13 +120,13 @@ class GroupCommitWriter:
                     raise
                 finally:
                     self.batches += 1
-                    batch.done.set()
+                    batch.done()
         finally:
             self._closed = True
             for batch in self._queue:
                 for item in batch.items:
                     item.error = StoreClosed(str(self.pool.path))
-                batch.done.set()
+                batch.done()
             self._stopped.set()
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
@@ -119,7 +140,7 @@ class GroupCommitWriter:
         item = _Item(fn, args)
         batch.items.append(item)
         self._wakeup.set()
-        await batch.done.wait()
+        await batch.wait()
         if item.error is not None:
             if isinstance(item.error, sqlite3.Error):  # one write's own failure, in careful mode
                 raise DatabaseFailed(self.pool.path, item.error) from item.error

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -59,7 +61,15 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_with(argv: Sequence[str], **options: Any) -> int:
+    """``python -m runtime serve ARGV``, with ``options`` handed to ``runtime.server.serve`` (an
+    in-process model, say: scripts/bench/keel_instant.py). Returns the exit status."""
+    parser = argparse.ArgumentParser(prog="serve")
+    _add_setting_flags(parser)
+    return _serve(parser.parse_args(argv), **options)
+
+
+def _serve(args: argparse.Namespace, **options: Any) -> int:
     try:
         config = _load(args)
     except ConfigError as exc:
@@ -70,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger(chatty).setLevel(logging.WARNING)
     failures: list[BaseException] = []
     try:
-        trio.run(_main, config)
+        trio.run(functools.partial(_main, config, **options))
     except* (StoreError, OSError) as group:  # startup refused: say why, no traceback
         failures.extend(group.exceptions)
     for exc in failures:
@@ -78,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-async def _main(config: Config) -> None:
+async def _main(config: Config, **options: Any) -> None:
     from runtime.server import serve  # imported here: `check` must work without the server's imports
 
     shutdown = trio.Event()
@@ -87,7 +97,7 @@ async def _main(config: Config) -> None:
 
         async def server(*, task_status: trio.TaskStatus[Any]) -> None:
             try:
-                await serve(config, shutdown, task_status=task_status)
+                await serve(config, shutdown, task_status=task_status, **options)
             finally:
                 nursery.cancel_scope.cancel()  # the signal watcher is all that is left
 

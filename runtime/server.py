@@ -16,7 +16,10 @@ HTTP and the stores.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import hypercorn
@@ -27,12 +30,14 @@ from persistence.recovery import hold_state_dir
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore
 from persistence.sqlite import inspect
 from persistence.tasks import TASKS_SCHEMA, SqliteTaskStore
-from runtime.agent import AgentSpec
+
+from runtime.agent import AgentSpec, Model
 from runtime.agents import agent_card, default_agent
 from runtime.config import Config
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig
 from runtime.surface import Health, Readiness, create_app
+from runtime.surface.health import ModelCatalog
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +68,13 @@ async def serve(
     shutdown: trio.Event,
     *,
     agent: AgentSpec | None = None,
+    model: InProcessModel | None = None,
     task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run Keel until ``shutdown`` is set, then drain and return.
+
+    The model is the OpenAI-compatible server ``config`` names, unless ``model`` is given: an
+    in-process model (the benchmarks' zero-latency one) that also answers the readiness probe.
 
     Raises RecoveryError, StateBusy or SchemaError before anything is served when the state
     directory cannot be used; the CLI turns those into a message and a non-zero exit.
@@ -76,13 +85,22 @@ async def serve(
     try:
         await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
         async with trio.open_nursery() as nursery:
-            await _serve_in(nursery, config, agent, shutdown, task_status)
+            await _serve_in(nursery, config, agent, model, shutdown, task_status)
     finally:
         held.release()
 
 
+class InProcessModel(Model, ModelCatalog, Protocol):
+    """A model that runs in this process: it streams answers and answers the catalog probe."""
+
+
 async def _serve_in(
-    nursery: trio.Nursery, config: Config, agent: AgentSpec, shutdown: trio.Event, task_status: trio.TaskStatus[Started]
+    nursery: trio.Nursery,
+    config: Config,
+    agent: AgentSpec,
+    in_process: InProcessModel | None,
+    shutdown: trio.Event,
+    task_status: trio.TaskStatus[Started],
 ) -> None:
     state_dir = config.state_dir
     sessions = await SqliteSessionStore.open(state_dir / SESSIONS_FILE)  # step 5
@@ -90,11 +108,7 @@ async def _serve_in(
     try:
         await nursery.start(sessions.run)
         await nursery.start(tasks.run)
-        model_config = ModelConfig(base_url=config.model_base_url, model=config.model, api_key=config.model_api_key)
-        # Readiness asks the catalog once, quickly: a probe that retried with backoff would make
-        # /healthz slow exactly when the model server is down.
-        probe_config = attrs.evolve(model_config, max_retries=0, connect_timeout_s=1.0, read_timeout_s=2.0)
-        async with open_model_client(model_config) as model, open_model_client(probe_config) as catalog:
+        async with _model_clients(config, in_process) as (model, catalog):
             runner_config = RunnerConfig(
                 orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s
             )
@@ -136,6 +150,20 @@ async def _serve_in(
         with trio.move_on_after(config.cleanup_timeout_s, shield=True):
             await tasks.aclose()
             await sessions.aclose()
+
+
+@asynccontextmanager
+async def _model_clients(config: Config, in_process: InProcessModel | None) -> AsyncIterator[tuple[Model, ModelCatalog]]:
+    """The model the runs call, and the one readiness asks for its catalog."""
+    if in_process is not None:
+        yield in_process, in_process
+        return
+    model_config = ModelConfig(base_url=config.model_base_url, model=config.model, api_key=config.model_api_key)
+    # Readiness asks the catalog once, quickly: a probe that retried with backoff would make
+    # /healthz slow exactly when the model server is down.
+    probe_config = attrs.evolve(model_config, max_retries=0, connect_timeout_s=1.0, read_timeout_s=2.0)
+    async with open_model_client(model_config) as model, open_model_client(probe_config) as catalog:
+        yield model, catalog
 
 
 def _http_config(config: Config) -> hypercorn.Config:

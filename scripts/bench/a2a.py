@@ -7,19 +7,25 @@ last line.
 Needs the ``test`` extra (a2a-sdk and uvicorn, for the reference). Everything runs on loopback,
 each server in a process of its own so that no two share a GIL with the load:
 
-- Keel: ``python -m runtime serve`` on a fresh state directory (SQLite, WAL, synchronous=FULL:
-  every transition durable before it is reported), its model the zero-latency test double
-  scripts/bench/zero_model.py (real HTTP, answers at once).
+- Keel (``keel_*``): the server ``python -m runtime serve`` runs, on a fresh state directory
+  (SQLite, WAL, synchronous=FULL: every transition durable before it is reported), through
+  scripts/bench/keel_instant.py, whose model is a zero-latency one in process. The reference
+  calls no model (its executor echoes), so this is the like-for-like figure: the runtime's own
+  cost, with the agent loop, the sessions and every task state written.
+- Keel with its model over HTTP (``keel_http_model_*``): ``python -m runtime serve`` itself, its
+  model the zero-latency test double scripts/bench/zero_model.py (real HTTP, answers at once),
+  so the figure includes a model call's client and server cost on the same two cores.
 - the reference: scripts/bench/ref_server.py, the a2a-sdk echo server on Starlette and uvicorn,
   once with its SQLite ``DatabaseTaskStore`` and once with its ``InMemoryTaskStore``.
 
 Both sides get the same requests from the same load generator (scripts/bench/load.py): A2A 1.0
 JSON-RPC ``SendMessage``, header ``A2A-Version: 1.0``, blocking, one new task per request.
-Throughput phases take turns (Keel, reference SQLite, reference memory; ``--rounds`` times) so
+Throughput phases take turns (Keel, Keel with its model over HTTP, reference SQLite, reference
+memory; ``--rounds`` times) so
 that whatever else the machine is doing falls on all of them alike; each side's best round is
 reported, every round is listed.
 
-Then the cancel phase: the same load runs against Keel while ``--cancels`` long tasks are
+Then the cancel phase: the same load runs against Keel (in-process model) while ``--cancels`` long tasks are
 cancelled one at a time. Each is sent with ``returnImmediately``, its row watched in tasks.db
 (read-only) until WORKING, left working for a random 0-100 ms, then cancelled.
 ``cancel_ms_*`` runs from sending CancelTask until the row reads TASK_STATE_CANCELED
@@ -144,13 +150,24 @@ class Server:
 
 
 async def start_keel(children: Children, state_dir: Path) -> Server:
+    """Keel with the in-process zero-latency model."""
+    keel = await children.start(
+        "keel", [str(BENCH / "keel_instant.py"), "--slow-marker", SLOW_MARKER, "--port", "0", "--state-dir", str(state_dir)]
+    )
+    url = (await keel.wait_line(r"keel serving A2A at (http://\S+)")).group(1)
+    return Server("keel", url, keel)
+
+
+async def start_keel_http_model(children: Children, state_dir: Path) -> Server:
+    """``python -m runtime serve`` with the zero-latency model server over HTTP."""
     model = await children.start("zero_model", [str(BENCH / "zero_model.py"), "--port", "0", "--slow-marker", SLOW_MARKER])
     model_url = (await model.wait_line(r"serving (http://\S+)")).group(1)
     keel = await children.start(
-        "keel", ["-m", "runtime", "serve", "--port", "0", "--state-dir", str(state_dir), "--model-base-url", model_url]
+        "keel_http_model",
+        ["-m", "runtime", "serve", "--port", "0", "--state-dir", str(state_dir), "--model-base-url", model_url],
     )
     url = (await keel.wait_line(r"keel serving A2A at (http://\S+)")).group(1)
-    return Server("keel", url, keel, (model,))
+    return Server("keel_http_model", url, keel, (model,))
 
 
 async def start_ref(children: Children, store: str, work: Path) -> Server:
@@ -314,7 +331,7 @@ async def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rows = TaskRows(work / "keel-state" / "tasks.db")
     try:
         keel = await start_keel(children, work / "keel-state")
-        servers = [keel]
+        servers = [keel, await start_keel_http_model(children, work / "keel-http-model-state")]
         if not args.no_ref:
             servers += [await start_ref(children, "sqlite", work), await start_ref(children, "memory", work)]
         rounds: dict[str, list[dict[str, Any]]] = {server.name: [] for server in servers}
@@ -341,13 +358,17 @@ def report(
     on_disk: dict[str, int],
     ref_stack: str,
 ) -> dict[str, Any]:
-    keel = best(rounds["keel"])
+    keel, http_model = best(rounds["keel"]), best(rounds["keel_http_model"])
     none = {"rps": None, "p50_ms": None, "p99_ms": None}
     sqlite, memory = (best(rounds[name]) if name in rounds else none for name in ("ref_sqlite", "ref_memory"))
     result: dict[str, Any] = {
         "keel_rps": keel["rps"],
         "keel_p50_ms": keel["p50_ms"],
         "keel_p99_ms": keel["p99_ms"],
+        "keel_model": "zero-latency, in process (scripts/bench/instant_model.py)",
+        "keel_http_model_rps": http_model["rps"],
+        "keel_http_model_p50_ms": http_model["p50_ms"],
+        "keel_http_model_p99_ms": http_model["p99_ms"],
         "ref_sqlite_rps": sqlite["rps"],
         "ref_sqlite_p50_ms": sqlite["p50_ms"],
         "ref_sqlite_p99_ms": sqlite["p99_ms"],

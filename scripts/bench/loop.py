@@ -25,82 +25,20 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
+from instant_model import ARGUMENTS, InstantModel
 
 from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentEvent, AgentRun, AgentSpec, StepStarted, TextDelta, Tool
-from runtime.models import ChatRequest, Completion, Delta, Finish, Usage
-from runtime.models import TextDelta as ModelText
 
 QUESTION = [Message(role="user", text="Why did the vault lease expire at 03:12?")]
-ARGUMENTS = '{"service": "vault"}'
 TARGET_STEP_US = 500
 TARGET_CANCEL_MS = 20
-
-
-@attrs.define(eq=False)
-class InstantStream:
-    """One answer, already whole: a little text, then a tool call (or the final answer)."""
-
-    number: int
-    final: bool
-    hang: bool = False
-    _deltas: list[Delta] = attrs.field(init=False, factory=list)
-    _said: str = attrs.field(init=False, default="")
-    _done: bool = attrs.field(init=False, default=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._deltas = [ModelText("Looking at the vault lease. ")]
-        if not self.final:
-            self._deltas.append(ToolCall(f"call_{self.number}", "lookup", ARGUMENTS))
-        self._deltas += [Finish("stop" if self.final else "tool_calls"), Usage(400, 20, 420)]
-        self._deltas.reverse()
-
-    def __aiter__(self) -> InstantStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        if not self._deltas:
-            if self.hang:
-                await trio.sleep_forever()
-            self._done = True
-            raise StopAsyncIteration
-        delta = self._deltas.pop()
-        if isinstance(delta, ModelText):
-            self._said += delta.text
-        return delta
-
-    def completion(self) -> Completion:
-        calls: tuple[ToolCall, ...] = () if self.final else (ToolCall(f"call_{self.number}", "lookup", ARGUMENTS),)
-        message = Message(role="assistant", text=self._said, tool_calls=calls)  # type: ignore[arg-type]  # Message.tool_calls converts with tuple, which mypy's attrs plugin cannot type
-        return Completion(message, "stop" if self.final else "tool_calls")
-
-    def partial_message(self) -> Message:
-        return Message(role="assistant", text=self._said, partial=not self._done)
-
-
-@attrs.define(eq=False)
-class InstantModel:
-    """The loop's Model protocol with no latency: ``steps - 1`` tool calls, then an answer.
-    With ``hang``, the first answer sends its text and then never finishes."""
-
-    steps: int
-    hang: bool = False
-    _requests: int = attrs.field(init=False, default=0)
-
-    @asynccontextmanager
-    async def stream(self, request: ChatRequest) -> AsyncIterator[InstantStream]:
-        self._requests += 1
-        await trio.lowlevel.checkpoint()
-        yield InstantStream(self._requests, final=self._requests >= self.steps, hang=self.hang)
 
 
 async def lookup(_arguments: dict[str, Any]) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = (
-    "keel_rps", "keel_p50_ms", "keel_p99_ms", "ref_sqlite_rps", "ref_memory_rps", "vs_ref_sqlite", "vs_ref_memory",
+    "keel_rps", "keel_p50_ms", "keel_p99_ms", "keel_http_model_rps", "ref_sqlite_rps", "ref_memory_rps", "vs_ref_sqlite", "vs_ref_memory",
     "cancel_ms_p99", "clients", "seconds",
 )  # fmt: skip
 
@@ -23,7 +23,8 @@ def test_bench_a2a_prints_its_report() -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.splitlines()[-1])
     assert all(report[field] is not None for field in FIELDS), report
-    assert report["errors"] == {"keel": 0, "ref_sqlite": 0, "ref_memory": 0}
+    assert report["errors"] == {"keel": 0, "keel_http_model": 0, "ref_sqlite": 0, "ref_memory": 0}
+    assert report["keel_http_model_rps"] > 0
     assert report["keel_rps"] > 0 and report["ref_sqlite_rps"] > 0 and report["ref_memory_rps"] > 0
     assert report["cancels"] == 3
     # Keel writes CANCELED before CancelTask answers, and every counted task is COMPLETED on disk.
