@@ -57,6 +57,10 @@ class SessionStore(Protocol):
     async def take_steers(self, session_id: str) -> list[str]:
         """Hand out every waiting steer exactly once, oldest first, and forget them."""
 
+    async def save_and_take_steers(self, session_id: str, messages: Sequence[Message]) -> list[str]:
+        """``save`` then ``take_steers`` as one step (one transaction where there are any): a
+        save that fails takes nothing, so the steers wait for the next taker."""
+
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         """Exclusive turn on one session; different sessions never wait on each other."""
 

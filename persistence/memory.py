@@ -111,6 +111,10 @@ class MemorySessionStore(_Closable):
         await self._enter()
         return self.data.steers.pop(session_id, [])
 
+    async def save_and_take_steers(self, session_id: str, messages: Sequence[Message]) -> list[str]:
+        await self.save(session_id, messages)  # raises before anything is taken
+        return self.data.steers.pop(session_id, [])
+
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         return self.data.locks.hold(session_id)
 

@@ -38,3 +38,7 @@ class Session:
 
     async def take_steers(self) -> list[str]:
         return await self.store.take_steers(self.id)
+
+    async def save_and_take_steers(self, messages: Sequence[Message]) -> list[str]:
+        """Save, then take the steers waiting, as one step: a failed save takes nothing."""
+        return await self.store.save_and_take_steers(self.id, messages)

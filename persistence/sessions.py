@@ -192,6 +192,13 @@ def _take_steers_txn(conn: sqlite3.Connection, session_id: str) -> list[str]:
     return [text for _, text in rows]
 
 
+def _save_and_take_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, messages: Sequence[Message], max_bytes: int
+) -> list[str]:
+    _save_txn(conn, lengths, session_id, messages, max_bytes)
+    return _take_steers_txn(conn, session_id)
+
+
 @attrs.define(eq=False)
 class SqliteSessionStore(WriterBacked):
     """Sessions in one SQLite file. Writes go through a group-commit writer.
@@ -245,6 +252,10 @@ class SqliteSessionStore(WriterBacked):
 
     async def messages(self, session_id: str) -> list[Message]:
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
+
+    async def save_and_take_steers(self, session_id: str, messages: Sequence[Message]) -> list[str]:
+        check_session_id(session_id)
+        return await self._writer.submit(_save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes)
 
     async def add_steer(self, session_id: str, text: str) -> None:
         check_session_id(session_id)

@@ -120,6 +120,24 @@ async def a_steer_is_handed_out_exactly_once_in_the_order_left(backend: Backend)
 
 
 @session_check
+async def a_save_that_takes_the_steers_is_one_step_and_a_failed_one_takes_nothing(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        await store.add_steer("s", "look at the lease")
+        assert await store.save_and_take_steers("s", [user("q")]) == ["look at the lease"]
+        assert await store.messages("s") == [user("q")]
+        assert await store.save_and_take_steers("s", [user("q"), answer("a")]) == []
+        await store.add_steer("s", "and the renewals")
+        try:
+            await store.save_and_take_steers("s", [user("a different question")])
+        except TranscriptConflict:
+            pass
+        else:
+            raise AssertionError("a save that does not extend the transcript was accepted")
+        assert await store.messages("s") == [user("q"), answer("a")]
+        assert await store.take_steers("s") == ["and the renewals"], "the failed save took the steer"
+
+
+@session_check
 async def two_sessions_do_not_see_each_other(backend: Backend) -> None:
     async with backend.sessions() as store:
         await store.save("a", [user("for a")])

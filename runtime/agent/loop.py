@@ -33,7 +33,6 @@ DEFAULT_MAX_MODEL_CALLS = 12
 STORE_TIMEOUT_S = 30.0  # bound on the shielded take-and-save before a request; a slower store has failed
 CLEANUP_TIMEOUT_S = 5.0  # bound on the shielded save of a partial answer as the run ends
 _SAVING = "saving the transcript"
-_TAKING = "taking the steers left"
 
 
 class AnswerStream(Protocol):
@@ -218,31 +217,14 @@ class AgentRun:
         raise SaveFailed(self.session.id, f"{_SAVING} within {STORE_TIMEOUT_S:g} s")
 
     async def _save_and_take_steers(self, session: Session) -> list[str]:
-        """Save the transcript and take the steers left in the store, both submitted before
-        either is awaited, so that a store with a group-commit writer commits them in one
-        transaction: one round trip to the database per step instead of two."""
-        taken: list[str] = []
-        failures: dict[str, Exception] = {}
-
-        async def save() -> None:
-            try:
-                await session.save(self.messages)
-                self._saved = len(self.messages)
-            except Exception as exc:  # any failure, as in _save
-                failures[_SAVING] = exc
-
-        async def take() -> None:
-            try:
-                taken.extend(await session.take_steers())
-            except Exception as exc:
-                failures[_TAKING] = exc
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(save)
-            nursery.start_soon(take)
-        for what in (_SAVING, _TAKING):  # a store that is down fails both; the save is reported
-            if what in failures:
-                raise SaveFailed(session.id, what) from failures[what]
+        """Save the transcript and take the steers left in the store in one step (one
+        transaction on SQLite): one round trip to the database per step, and a save that fails
+        leaves the steers for the run that resumes."""
+        try:
+            taken = await session.save_and_take_steers(self.messages)
+        except Exception as exc:  # any failure, as in _save
+            raise SaveFailed(session.id, _SAVING) from exc
+        self._saved = len(self.messages)
         return taken
 
     def _place(self, steers: Sequence[str]) -> bool:

@@ -69,17 +69,27 @@ class CountingSession(Session):
         await super().save(messages)
         self.saves.append((len(messages), self.requests_made()))
 
+    async def save_and_take_steers(self, messages: Sequence[Message]) -> list[str]:
+        taken = await super().save_and_take_steers(messages)
+        self.saves.append((len(messages), self.requests_made()))
+        return taken
+
 
 @attrs.frozen
 class GatedSession(Session):
-    """A real Session whose take_steers, once the store has handed the steers out, waits for
-    ``gate`` before returning them: a window in which a test can cancel the run."""
+    """A real Session that, once the store has handed steers out (with the save or alone),
+    waits for ``gate`` before returning them: a window in which a test can cancel the run."""
 
     taken: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
     gate: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
 
     async def take_steers(self) -> list[str]:
-        steers = await super().take_steers()
+        return await self._hold(await super().take_steers())
+
+    async def save_and_take_steers(self, messages: Sequence[Message]) -> list[str]:
+        return await self._hold(await super().save_and_take_steers(messages))
+
+    async def _hold(self, steers: list[str]) -> list[str]:
         if steers:
             self.taken.set()
             await self.gate.wait()

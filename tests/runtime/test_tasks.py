@@ -7,7 +7,7 @@ import trio
 
 from persistence.memory import MemoryTaskStore
 from protocol import Message, Role, Task, TaskState, TaskStatus, TextPart
-from runtime.tasks import LiveTask, decode, encode, now, with_status
+from runtime.tasks import LiveTask, decode, encode, new_id, now, with_status
 
 
 async def live_task(store: MemoryTaskStore) -> LiveTask:
@@ -36,3 +36,13 @@ async def test_unsubscribe_forgets_the_subscriber_at_once() -> None:
     assert live.subscribers == 1
     live.unsubscribe(receive)
     assert live.subscribers == 0
+
+
+def test_new_ids_are_distinct_version_4_uuids() -> None:
+    import uuid
+
+    ids = [new_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    for text in ids:
+        parsed = uuid.UUID(hex=text)
+        assert (parsed.version, parsed.variant, parsed.hex) == (4, uuid.RFC_4122, text)
