@@ -109,8 +109,8 @@ async def cancel_latencies(store: Any, runs: int) -> list[float]:
 
 
 async def store_round_trips(store: Any, count: int) -> list[float]:
-    """Seconds for what the store alone does each step: save one more step and take the steers,
-    submitted together as the loop does (one transaction). The loop's own share is the rest."""
+    """Seconds for what the store alone does each step: save one more step and take the steers
+    in one call, as the loop does (one transaction). The loop's own share is the rest."""
     session = Session.open("store-only", store)
     transcript = list(QUESTION)
     durations = []
@@ -120,9 +120,7 @@ async def store_round_trips(store: Any, count: int) -> list[float]:
             Message(role="tool", text="vault: lease TTL 24h, last renewed 25h ago", tool_call_id=f"call_{n}", name="lookup"),
         ]
         start = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(session.save, transcript)
-            nursery.start_soon(session.take_steers)
+        await session.save_and_take_steers(transcript)
         durations.append(time.perf_counter() - start)
     return durations
 
