@@ -148,10 +148,7 @@ class SessionLengths:
     def insert(self, conn: sqlite3.Connection, session_id: str, at: int, author: str, contents: Sequence[str]) -> None:
         """Write events at positions at, at+1, ...: queued for one INSERT of the whole batch, or
         at once in careful mode."""
-        if len(contents) == 1:  # the common case, without a generator
-            self.rows.append((session_id, at, author, self.now, contents[0]))
-        else:
-            self.rows.extend((session_id, at + i, author, self.now, content) for i, content in enumerate(contents))
+        self.rows.extend((session_id, at + i, author, self.now, content) for i, content in enumerate(contents))
         if self.careful:
             self.flush(conn)
         self.known[session_id] = at + len(contents)

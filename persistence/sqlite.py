@@ -188,7 +188,9 @@ def _uncancellable(_: Any) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED  # the call finishes; a cancellation lands after it
 
 
-_CLOSE = object()  # the last job a pool's thread runs
+def _close(conn: sqlite3.Connection) -> None:
+    """The last job a pool's thread runs."""
+    conn.close()
 
 
 @attrs.define(eq=False)
@@ -248,15 +250,13 @@ class SqlitePool:
     def _work(self) -> None:  # the pool's thread
         while True:
             job = self._jobs.get()
-            if job.fn is _CLOSE:
-                job.result = outcome.capture(self._conn.close)
-            else:
-                job.result = outcome.capture(self._call, job.fn, job.args)
+            closing = job.fn is _close  # runs even though the pool is marked closed
+            job.result = outcome.capture(_close, self._conn) if closing else outcome.capture(self._call, job.fn, job.args)
             try:
                 job.token.run_sync_soon(_deliver, job)
             except trio.RunFinishedError:  # the caller's Trio run ended while it waited
                 pass
-            if job.fn is _CLOSE:
+            if closing:
                 return
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
@@ -275,5 +275,5 @@ class SqlitePool:
         if self._thread is None:
             await trio.to_thread.run_sync(self._conn.close)
             return
-        await self._submit(_CLOSE, ())  # type: ignore[arg-type]  # the sentinel, not a function
+        await self._submit(_close, ())
         await trio.to_thread.run_sync(self._thread.join)

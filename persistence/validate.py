@@ -39,24 +39,17 @@ def is_json(text: str) -> bool:
 
 
 def check_contents(session_id: str, contents: Sequence[str], *, first_index: int, max_bytes: int) -> None:
-    """Raise InvalidEvent for the first content that is not JSON text of at most max_bytes.
-
-    Every append runs this, so the common case (short text, no whitespace around the value) is
-    kept to one length test and one scan."""
+    """Raise InvalidEvent for the first content that is not JSON text of at most max_bytes."""
     for offset, content in enumerate(contents):
+        index = first_index + offset
         if not isinstance(content, str):
-            raise InvalidEvent(session_id, first_index + offset, f"content must be JSON text (str), not {type(content).__name__}")
-        if len(content) * 4 > max_bytes:  # no UTF-8 character takes more than 4 bytes
-            check_sizes(session_id, (content,), first_index=first_index + offset, max_bytes=max_bytes)
-        try:
-            if _scan_once(content, 0)[1] == len(content):
-                continue
-        except (StopIteration, ValueError):
-            pass
-        try:
-            _STRICT.decode(content)
-        except ValueError as exc:
-            raise InvalidEvent(session_id, first_index + offset, f"content is not JSON ({exc})") from None
+            raise InvalidEvent(session_id, index, f"content must be JSON text (str), not {type(content).__name__}")
+        check_sizes(session_id, (content,), first_index=index, max_bytes=max_bytes)
+        if not is_json(content):
+            try:
+                _STRICT.decode(content)
+            except ValueError as exc:
+                raise InvalidEvent(session_id, index, f"content is not JSON ({exc})") from None
 
 
 def check_session_id(session_id: str) -> None:

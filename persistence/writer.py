@@ -46,32 +46,11 @@ class _Item:
 
 
 class _Batch:
-    """Writes committed together, and the tasks waiting for that commit.
-
-    The waiters are parked with ``wait_task_rescheduled`` directly rather than on a
-    ``trio.Event``: every append waits once, and at 64 appenders the event's layers are a
-    measurable share of a batch."""
-
-    __slots__ = ("items", "waiters")
+    __slots__ = ("items", "done")
 
     def __init__(self) -> None:
         self.items: list[_Item] = []
-        self.waiters: list[trio.lowlevel.Task] = []
-
-    async def wait(self) -> None:
-        task = trio.lowlevel.current_task()
-        self.waiters.append(task)
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            self.waiters.remove(task)  # cancelled: stop waiting; the write itself stays queued
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-
-    def done(self) -> None:
-        for task in self.waiters:
-            trio.lowlevel.reschedule(task)
-        self.waiters.clear()
+        self.done = trio.Event()
 
 
 @attrs.define(eq=False)
@@ -120,13 +99,13 @@ class GroupCommitWriter:
                     raise
                 finally:
                     self.batches += 1
-                    batch.done()
+                    batch.done.set()
         finally:
             self._closed = True
             for batch in self._queue:
                 for item in batch.items:
                     item.error = StoreClosed(str(self.pool.path))
-                batch.done()
+                batch.done.set()
             self._stopped.set()
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
@@ -140,7 +119,7 @@ class GroupCommitWriter:
         item = _Item(fn, args)
         batch.items.append(item)
         self._wakeup.set()
-        await batch.wait()
+        await batch.done.wait()
         if item.error is not None:
             if isinstance(item.error, sqlite3.Error):  # one write's own failure, in careful mode
                 raise DatabaseFailed(self.pool.path, item.error) from item.error

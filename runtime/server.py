@@ -30,7 +30,6 @@ from persistence.recovery import hold_state_dir
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore
 from persistence.sqlite import inspect
 from persistence.tasks import TASKS_SCHEMA, SqliteTaskStore
-
 from runtime.agent import AgentSpec, Model
 from runtime.agents import agent_card, default_agent
 from runtime.config import Config

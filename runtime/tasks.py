@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
 
@@ -37,12 +37,7 @@ def now() -> datetime:
 
 
 def new_id() -> str:
-    """A random UUID (version 4) as 32 hex digits, as ``uuid.uuid4().hex`` gives, without the
-    UUID object (a request makes three of these)."""
-    raw = bytearray(os.urandom(16))
-    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
-    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
-    return raw.hex()
+    return uuid.uuid4().hex
 
 
 def encode(task: Task) -> str:
