@@ -27,12 +27,22 @@ T = TypeVar("T")
 
 BUSY_TIMEOUT_MS = 5000  # another process holding the write lock makes us queue, not fail
 SYNCHRONOUS = ("FULL", "NORMAL", "OFF")
+MIN_SQLITE = (3, 35, 0)  # UPDATE ... RETURNING
+
+
+def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_info) -> None:
+    if version < MIN_SQLITE:
+        raise RuntimeError(
+            f"Keel needs SQLite {'.'.join(map(str, MIN_SQLITE))} or newer; this Python's sqlite3 module uses "
+            f"{'.'.join(map(str, version))}. Run Keel with a Python built against a newer SQLite."
+        )
 
 
 def connect(path: Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
     """A connection with Keel's settings. Blocking: call it from a worker thread."""
     if synchronous not in SYNCHRONOUS:
         raise ValueError(f"synchronous must be one of {', '.join(SYNCHRONOUS)}, not {synchronous!r}")
+    check_sqlite_version()
     if readonly:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
     else:
@@ -169,19 +179,23 @@ def inspect(path: Path, schema: Schema) -> None:
 
 
 class _Job:
-    __slots__ = ("fn", "args", "task", "token", "result")
+    __slots__ = ("fn", "args", "token", "then")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], token: trio.lowlevel.TrioToken,
+        then: Callable[[outcome.Outcome[Any]], object],
+    ) -> None:  # fmt: skip
         self.fn = fn
         self.args = args
-        self.task = trio.lowlevel.current_task()
-        self.token = trio.lowlevel.current_trio_token()
-        self.result: outcome.Outcome[Any] | None = None
+        self.token = token
+        self.then = then
 
 
-def _deliver(job: _Job) -> None:  # in the Trio thread
-    assert job.result is not None
-    trio.lowlevel.reschedule(job.task, job.result)
+def _deliver(job: _Job, result: outcome.Outcome[Any]) -> None:  # in the pool's thread
+    try:
+        job.token.run_sync_soon(job.then, result)
+    except trio.RunFinishedError:  # the caller's Trio run ended while it waited
+        pass
 
 
 def _uncancellable(_: Any) -> trio.lowlevel.Abort:
@@ -240,24 +254,41 @@ class SqlitePool:
         await trio.lowlevel.checkpoint_if_cancelled()
         return await self._submit(fn, args)  # type: ignore[no-any-return]  # fn's result, from the thread
 
-    async def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def post(
+        self, fn: Callable[..., Any], *args: Any, token: trio.lowlevel.TrioToken, then: Callable[[outcome.Outcome[Any]], object]
+    ) -> None:
+        """Queue ``fn(conn, *args)`` without waiting for it; ``then(its outcome)`` is called in
+        ``token``'s Trio thread when it has run. Callable from any thread, the pool's own
+        included. On a closed pool nothing runs and the outcome is StoreClosed."""
+        if self._closed:
+            token.run_sync_soon(then, outcome.Error(StoreClosed(str(self.path))))
+        else:
+            self._put(_Job(fn, args, token, then))
+
+    def _put(self, job: _Job) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=f"sqlite {self.path.name}", daemon=True)
             self._thread.start()
-        self._jobs.put(_Job(fn, args))
+        self._jobs.put(job)
+
+    async def _submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        task = trio.lowlevel.current_task()
+        self._put(_Job(fn, args, trio.lowlevel.current_trio_token(), lambda result: trio.lowlevel.reschedule(task, result)))
         return await trio.lowlevel.wait_task_rescheduled(_uncancellable)
 
     def _work(self) -> None:  # the pool's thread
         while True:
             job = self._jobs.get()
-            closing = job.fn is _close  # runs even though the pool is marked closed
-            job.result = outcome.capture(_close, self._conn) if closing else outcome.capture(self._call, job.fn, job.args)
+            if job.fn is _close:  # runs even though the pool is marked closed
+                _deliver(job, outcome.capture(_close, self._conn))
+                break
+            _deliver(job, outcome.capture(self._call, job.fn, job.args))
+        while True:  # posted by this thread while the close was queued: never to run
             try:
-                job.token.run_sync_soon(_deliver, job)
-            except trio.RunFinishedError:  # the caller's Trio run ended while it waited
-                pass
-            if closing:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
                 return
+            _deliver(job, outcome.Error(StoreClosed(str(self.path))))
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if self._closed:  # closed while this call waited in the queue

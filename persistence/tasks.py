@@ -94,18 +94,25 @@ def _create_txn(conn: sqlite3.Connection, record: TaskRecord) -> TaskRecord:
 def _update_txn(
     conn: sqlite3.Connection, owner: str, task_id: str, state: str, task_json: str, expected: int | None
 ) -> TaskRecord:
-    row = conn.execute(f"SELECT {_COLUMNS} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)).fetchone()
-    if row is None:
-        raise TaskNotFound(task_id)
-    current = record_from_row(row)
-    if expected is not None and expected != current.version:
-        raise VersionConflict(task_id, expected, current.version)
-    new = attrs.evolve(current, state=state, task_json=task_json, version=current.version + 1, updated_at_ms=now_ms())
-    conn.execute(
-        "UPDATE tasks SET state = ?, version = ?, updated_at_ms = ?, task = ? WHERE id = ? AND version = ?",
-        (new.state, new.version, new.updated_at_ms, new.task_json, task_id, current.version),
-    )
-    return new
+    # One statement, the version check in its WHERE: the old task (it grows with its history) is
+    # never read back, and the pool's thread makes one round through the driver, not two.
+    updated = now_ms()
+    check, params = ("", ()) if expected is None else (" AND version = ?", (expected,))
+    rows = conn.execute(
+        "UPDATE tasks SET state = ?, version = version + 1, updated_at_ms = ?, task = ? WHERE id = ? AND owner = ?"
+        f"{check} RETURNING context_id, version, created_at_ms",
+        (state, updated, task_json, task_id, owner, *params),
+    ).fetchall()
+    if not rows:
+        found = conn.execute("SELECT version FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)).fetchone()
+        if found is None or expected is None:  # without a version to match, only a missing row updates nothing
+            raise TaskNotFound(task_id)
+        raise VersionConflict(task_id, expected, int(found[0]))
+    ((context_id, version, created),) = rows
+    return TaskRecord(
+        id=task_id, context_id=context_id, owner=owner, state=state, version=int(version),
+        created_at_ms=int(created), updated_at_ms=updated, task_json=task_json,
+    )  # fmt: skip
 
 
 def _list_txn(

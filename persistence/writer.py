@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
 import attrs
+import outcome
 import trio
 
 from persistence.errors import DatabaseFailed, StoreClosed
@@ -52,6 +54,14 @@ class _Batch:
         self.items: list[_Item] = []
         self.done = trio.Event()
 
+    def failed(self, error: BaseException) -> None:
+        for item in self.items:
+            item.error = error
+
+    def fail(self, error: BaseException) -> None:  # in the Trio thread
+        self.failed(error)
+        self.done.set()
+
 
 @attrs.define(eq=False)
 class GroupCommitWriter:
@@ -60,65 +70,62 @@ class GroupCommitWriter:
     ``await writer.submit(fn, *args)`` returns ``fn(conn, *args)``'s result once the batch
     holding it is durable, or raises what ``fn`` raised (only its own writes are undone). A
     batch is what was queued while the previous one committed, up to ``max_batch`` writes; a
-    bounded batch lets the next one fill while this one is committing. Start the writer with
-    ``await nursery.start(writer.run)``; a submitter cancelled while it waits does not withdraw
-    its write.
+    bounded batch lets the next one fill while this one is committing. A submitter cancelled
+    while it waits does not withdraw its write.
+
+    The pool's thread takes the batches itself: a write queued while the writer is idle posts
+    a flush to the pool, and a flush that leaves writes queued posts the next one, so a write
+    waits for no Trio task to be scheduled before it is committed, and its submitter is woken
+    straight from the thread's hand-back. Under load every such wait is a full round of the
+    Trio scheduler. ``run()`` owns the writer's lifetime: start it with
+    ``await nursery.start(writer.run)``; it returns after ``aclose()`` once the writes queued
+    are committed, and if it is cancelled instead, the writes not yet taken fail StoreClosed.
     """
 
     pool: SqlitePool
     hooks: BatchHooks | None = None
     max_batch: int = 1024
+    # Batches not yet taken by the pool's thread, and whether a flush is posted or running:
+    # shared with that thread, under the lock.
     _queue: collections.deque[_Batch] = attrs.field(init=False, factory=collections.deque)
-    _wakeup: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _started: bool = attrs.field(init=False, default=False)
+    _flushing: bool = attrs.field(init=False, default=False)
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _token: trio.lowlevel.TrioToken | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
+    _drained: trio.Event = attrs.field(init=False, factory=trio.Event)  # closed, and nothing left
     _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
     batches: int = attrs.field(init=False, default=0)
 
     async def run(self, *, task_status: trio.TaskStatus[GroupCommitWriter] = trio.TASK_STATUS_IGNORED) -> None:
-        """Commit batches until aclose(); writes still queued when cancelled fail with StoreClosed."""
-        self._started = True
+        """Take writes until aclose(), then return once they are committed; if cancelled, the
+        writes not yet taken by the pool's thread fail with StoreClosed."""
+        self._token = trio.lowlevel.current_trio_token()
         task_status.started(self)
         try:
-            while True:
-                if not self._queue:
-                    if self._closed:
-                        return
-                    self._wakeup = trio.Event()
-                    await self._wakeup.wait()
-                    continue
-                batch = self._queue.popleft()
-                try:
-                    await self.pool.run(_commit_batch, batch.items, self.hooks)
-                except Exception as exc:
-                    for item in batch.items:
-                        item.error = exc
-                except BaseException:  # cancelled before the batch reached the thread: nothing written
-                    for item in batch.items:
-                        item.error = StoreClosed(str(self.pool.path))
-                    raise
-                finally:
-                    self.batches += 1
-                    batch.done.set()
+            await self._drained.wait()
         finally:
-            self._closed = True
-            for batch in self._queue:
-                for item in batch.items:
-                    item.error = StoreClosed(str(self.pool.path))
-                batch.done.set()
+            with self._lock:
+                self._closed = True
+                left = list(self._queue)
+                self._queue.clear()
+            for batch in left:
+                batch.fail(StoreClosed(str(self.pool.path)))
             self._stopped.set()
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
             raise StoreClosed(str(self.pool.path))
-        if not self._started:
+        if self._token is None:
             raise RuntimeError("The store's writer is not running; start it with `await nursery.start(store.run)`.")
-        if not self._queue or len(self._queue[-1].items) >= self.max_batch:
-            self._queue.append(_Batch())
-        batch = self._queue[-1]
         item = _Item(fn, args)
-        batch.items.append(item)
-        self._wakeup.set()
+        with self._lock:
+            if not self._queue or len(self._queue[-1].items) >= self.max_batch:
+                self._queue.append(_Batch())
+            batch = self._queue[-1]
+            batch.items.append(item)
+            post, self._flushing = not self._flushing, True
+        if post:
+            self.pool.post(self._flush, token=self._token, then=self._flushed)
         await batch.done.wait()
         if item.error is not None:
             if isinstance(item.error, sqlite3.Error):  # one write's own failure, in careful mode
@@ -126,15 +133,53 @@ class GroupCommitWriter:
             raise item.error
         return item.result  # type: ignore[no-any-return]  # fn's result, set in the pool's thread
 
+    def _flush(self, conn: sqlite3.Connection) -> _Batch | None:  # in the pool's thread
+        """Commit the oldest batch; post the next flush if more are queued."""
+        with self._lock:
+            batch = self._queue.popleft() if self._queue else None
+        if batch is not None:
+            try:
+                _commit_batch(conn, batch.items, self.hooks)
+            except sqlite3.Error as exc:  # named for the file, as the pool names its own calls' errors
+                failure = DatabaseFailed(self.pool.path, exc)
+                failure.__cause__ = exc
+                batch.failed(failure)
+            except Exception as exc:
+                batch.failed(exc)
+        with self._lock:
+            self._flushing = bool(self._queue)
+            if self._flushing:
+                assert self._token is not None
+                self.pool.post(self._flush, token=self._token, then=self._flushed)
+        return batch
+
+    def _flushed(self, result: outcome.Outcome[_Batch | None]) -> None:  # in the Trio thread
+        try:
+            batch = result.unwrap()
+        except Exception as exc:  # the pool closed under the writer: nothing more will be written
+            with self._lock:
+                self._flushing = False
+                left = list(self._queue)
+                self._queue.clear()
+            for batch in left:
+                batch.fail(exc)
+            batch = None
+        if batch is not None:
+            self.batches += 1
+            batch.done.set()
+        if self._closed and not self._flushing:
+            self._drained.set()
+
     async def aclose(self) -> None:
         """Stop taking writes; those already queued are still committed before run() returns."""
         self._closed = True
-        self._wakeup.set()
+        if not self._flushing:
+            self._drained.set()
         await trio.lowlevel.checkpoint()
 
     async def wait_stopped(self) -> None:
         """Wait until run() has committed what was queued and returned (at once if never run)."""
-        if self._started:
+        if self._token is not None:
             await self._stopped.wait()
 
 

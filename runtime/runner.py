@@ -69,6 +69,15 @@ def _settle(state: TaskState, text: str) -> Outcome:
     return lambda current: with_status(current, state, agent_message(current, text))
 
 
+def _unless_settled(outcome: Outcome) -> Outcome:
+    """``outcome``, unless the task is terminal already (then nothing is written): a run's end
+    and a CancelTask race, and whichever is written first stands."""
+    return lambda current: current if current.status.state.is_terminal else outcome(current)
+
+
+CANCELED_BY_REQUEST = _unless_settled(_settle(TaskState.CANCELED, "The task was canceled."))
+
+
 @attrs.frozen
 class RunnerStatistics:
     running: int  # tasks with a run in this process
@@ -227,8 +236,13 @@ class Runner:
         )
 
     async def cancel(self, owner: str, task_id: str) -> Task:
-        """Cancel the task's scope and return it as persisted once it has settled: CANCELED, or
-        the state it reached first. Raises TaskNotFound, or TaskNotCancelable when it is terminal."""
+        """Cancel the task's scope, write it CANCELED and return it as persisted: CANCELED, or
+        the terminal state it reached first. Raises TaskNotFound, or TaskNotCancelable when it is
+        terminal.
+
+        The response waits for that one write, not for the run to unwind: the run, cancelled,
+        saves the answer it was streaming (marked partial) and releases the session's turn lock
+        in the runner's nursery, so the conversation's next turn starts after that save."""
         live = self._live.get(task_id)
         if live is None or live.owner != owner:
             task, version = await load(self.tasks, owner, task_id)
@@ -238,8 +252,7 @@ class Runner:
             if live is None:
                 return await self._cancel_stored(owner, task, version)
         live.scope.cancel()
-        await live.settled.wait()
-        return public(live.task)
+        return public(await live.persist(self.tasks, CANCELED_BY_REQUEST))
 
     async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
         """Settle a task no run of this process holds (its process died, or it ended just now)."""
@@ -308,7 +321,8 @@ class Runner:
             if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
                 final = _settle(TaskState.CANCELED, "The task was canceled.")
             try:
-                await live.persist(self.tasks, final)  # shielded and bounded inside
+                # Shielded and bounded inside; a CancelTask may have written the end already.
+                await live.persist(self.tasks, _unless_settled(final))
             except (store_errors.StoreError, TimeoutError) as exc:
                 logger.error("task %s: its final state could not be stored: %s", live.task.id, exc)
             live.close()

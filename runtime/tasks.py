@@ -108,7 +108,8 @@ class LiveTask:
 
     async def persist(self, tasks: TaskStore, change: Callable[[Task], Task]) -> Task:
         """Apply ``change`` to the newest task, write the result (version-checked), then tell the
-        subscribers; returns the task as written.
+        subscribers; returns the task as written. A ``change`` that returns the task it was given
+        writes nothing. Once a terminal state is written the task has settled (see ``close``).
 
         One write at a time (the run and a steering request may both write), and ``change`` is
         applied under that lock to the task as it stands then, never to a copy read before the
@@ -120,6 +121,8 @@ class LiveTask:
         with trio.move_on_after(self.write_timeout_s, shield=True) as bound:
             async with self._writing:
                 task = change(self.task)
+                if task is self.task:
+                    return task
                 record = await tasks.update(
                     self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(task),
                     expected_version=self.version,
@@ -129,6 +132,8 @@ class LiveTask:
         if bound.cancelled_caught:
             raise TimeoutError(f"storing task {task.id!r} took longer than {self.write_timeout_s:g} s")
         self.publish(TaskStatusUpdateEvent(task_id=task.id, context_id=task.context_id, status=task.status))
+        if task.status.state.is_terminal:
+            self.close()
         return task
 
     def subscribe(self) -> trio.MemoryReceiveChannel[StreamEvent]:
@@ -160,7 +165,8 @@ class LiveTask:
                 self._drop(receive)
 
     def close(self) -> None:
-        """The task has settled: end every subscription after what was already sent."""
+        """The task has settled: end every subscription after what was already sent. The run may
+        still be ending (saving a partial answer); nothing it publishes now is sent."""
         self.settled.set()
         for receive in list(self._subscribers):
             self._drop(receive)

@@ -228,6 +228,24 @@ async def test_a_cancelled_writer_never_acknowledges_a_write_it_did_not_make(tmp
     assert acknowledged | refused == {f"{t}-{n}" for t in range(30) for n in range(8)}
 
 
+async def test_a_writer_whose_pool_was_closed_fails_its_writes_and_never_hangs(tmp_path: Path) -> None:
+    from persistence.errors import StoreClosed
+
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    writer = GroupCommitWriter(pool)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.run)
+        await writer.submit(lambda conn: conn.execute("INSERT INTO app_states VALUES ('before', '{}', 0)"))
+        await pool.aclose()  # under the writer, which still takes writes
+        with trio.fail_after(10):
+            for _ in range(2):  # the second write finds the writer idle again, not stuck
+                with pytest.raises(StoreClosed, match="runtime.db"):
+                    await writer.submit(lambda conn: conn.execute("INSERT INTO app_states VALUES ('after', '{}', 0)"))
+        await writer.aclose()
+    with sqlite3.connect(tmp_path / "runtime.db") as conn:
+        assert [row[0] for row in conn.execute("SELECT app_name FROM app_states")] == ["before"]
+
+
 async def test_a_transcript_outlives_the_store_that_wrote_it(tmp_path: Path) -> None:
     transcript = [Message(role="user", text="q"), Message(role="assistant", text="a")]
     async with open_session_store(tmp_path / "runtime.db") as store:
@@ -365,3 +383,11 @@ async def test_a_failing_database_is_a_store_error_that_names_the_file(tmp_path:
         assert str(path) in str(caught.value) and "locked" in str(caught.value)
         assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
         assert [e.content for e in await store.events("s")] == ['{"n":1}']
+
+
+def test_an_sqlite_too_old_for_keel_is_refused_with_the_versions_named() -> None:
+    from persistence.sqlite import check_sqlite_version
+
+    check_sqlite_version()  # the one this Python links
+    with pytest.raises(RuntimeError, match=r"needs SQLite 3\.35\.0 or newer; .* uses 3\.31\.1"):
+        check_sqlite_version((3, 31, 1))

@@ -242,6 +242,30 @@ async def test_cancel_ends_the_model_request_in_flight(keel: Served) -> None:
         await keel.model.wait_disconnected()
 
 
+async def test_cancel_answers_with_canceled_on_disk_and_the_next_turn_follows_the_partial_answer(keel: Served) -> None:
+    """CancelTask's response waits for CANCELED to be durable, not for the run to unwind; the
+    run saves what it had streamed while it still holds the conversation, so a turn sent right
+    after the response comes after that partial answer in the transcript."""
+    keel.model.script = [
+        Reply(text="The lease expires at noon on Friday", chunk_chars=8, hang_after_chunks=3),
+        Reply(text="Noon."),
+    ]
+    task = await keel.send("When does the lease expire?", blocking=False)
+    async with keel.stream("SubscribeToTask", {"id": task["id"]}) as events:
+        while (frame := await events.next()) is not None and "artifactUpdate" not in frame["result"]:
+            pass  # until the first words of the answer have been streamed
+        canceled = await keel.result("CancelTask", {"id": task["id"]})
+        frames = await events.rest()
+    assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+    assert frames[-1]["result"]["statusUpdate"]["status"]["state"] == "TASK_STATE_CANCELED"
+    assert (await keel.tasks.get(ANONYMOUS, task["id"])).state == "TASK_STATE_CANCELED"
+    second = await keel.send("And the deposit?", contextId=task["contextId"])
+    assert second["status"]["state"] == "TASK_STATE_COMPLETED"
+    stored = await keel.sessions.messages(task["contextId"])
+    assert [(m.role, m.partial) for m in stored] == [("user", False), ("assistant", True), ("user", False), ("assistant", False)]
+    assert stored[1].text.startswith("The leas") and stored[3].text == "Noon."
+
+
 @BOTH
 async def test_cancel_a_completed_task_is_not_cancelable(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(text="ok")]

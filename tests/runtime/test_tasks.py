@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import trio
 
-from persistence.memory import MemoryTaskStore
-from protocol import Message, Role, Task, TaskState, TaskStatus, TextPart
+from persistence.memory import MemorySessionStore, MemoryTaskStore
+from persistence.transcript import Message as Transcribed
+from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart
+from runtime.agent import AgentSpec
+from runtime.runner import ANONYMOUS, Runner
 from runtime.tasks import LiveTask, decode, encode, new_id, now, with_status
+from tests.runtime.agent_support import Answer, ScriptedModel
 
 
 async def live_task(store: MemoryTaskStore) -> LiveTask:
@@ -46,3 +52,38 @@ def test_new_ids_are_distinct_version_4_uuids() -> None:
     for text in ids:
         parsed = uuid.UUID(hex=text)
         assert (parsed.version, parsed.variant, parsed.hex) == (4, uuid.RFC_4122, text)
+
+
+@attrs.define(eq=False)
+class AnswerSaveGate(MemorySessionStore):
+    """Holds the save of a turn's answer until ``release``: the run is then inside a shielded
+    save, past the last point where a cancellation could stop it."""
+
+    entered: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
+    release: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
+
+    async def save(self, session_id: str, messages: Sequence[Transcribed]) -> None:
+        if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls:
+            self.entered.set()
+            await self.release.wait()
+        await super().save(session_id, messages)
+
+
+async def test_a_cancel_written_first_stands_when_the_run_then_completes() -> None:
+    sessions, tasks = AnswerSaveGate(), MemoryTaskStore()
+    runner = Runner(sessions, tasks, ScriptedModel([Answer("All done.")]), AgentSpec())
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+        with trio.fail_after(10):
+            await sessions.entered.wait()
+        canceled = await runner.cancel(ANONYMOUS, task.id)  # answered while the run still saves
+        assert canceled.status.state is TaskState.CANCELED
+        assert runner.statistics().running == 1
+        sessions.release.set()
+        runner.stop()
+    stored = decode(await tasks.get(ANONYMOUS, task.id))
+    assert stored.status.state is TaskState.CANCELED  # the run's COMPLETED did not overwrite it
+    assert stored.status == canceled.status
+    assert (await sessions.messages(task.context_id))[-1].text == "All done."  # the answer was kept
