@@ -107,13 +107,14 @@ class SessionLengths:
 
     data_version: int | None = None
     known: dict[str, int] = attrs.field(factory=dict)
+    max_known: int = 10_000  # then forgotten: a cache, not a record of every session ever written
     rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
     careful: bool = False  # a savepoint per write: insert at once, inside it
     now: int = 0
 
     def begin(self, conn: sqlite3.Connection, *, careful: bool) -> None:
         (version,) = conn.execute("PRAGMA data_version").fetchone()
-        if version != self.data_version:
+        if version != self.data_version or len(self.known) > self.max_known:
             self.known.clear()
             self.data_version = version
         self.rows.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging
 import os
 import signal
@@ -102,7 +103,23 @@ async def _main(config: Config, **options: Any) -> None:
                 nursery.cancel_scope.cancel()  # the signal watcher is all that is left
 
         started = await nursery.start(server)
+        _tune_collector()
         print(f"keel serving A2A at {started.url} (state in {config.state_dir})", flush=True)
+
+
+GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
+
+
+def _tune_collector() -> None:
+    """Once the server is up. What the process made to start (its imports, the app, the stores)
+    lives as long as the process: frozen, it is left out of the collector's full passes, which
+    otherwise walk it all again, 35-50 ms each under load, a pause that every request in flight
+    waits out. A request makes thousands of short-lived objects; with the young generation
+    collected every 10 000 allocations rather than 700, most are gone before a pass looks at
+    them. Measured in scripts/bench/a2a.py's Keel process: a full pass went from 36 ms to 3.5 ms
+    (median), the collector's time over the run from about 1 s to 0.1 s."""
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
 async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:

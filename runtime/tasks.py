@@ -13,6 +13,7 @@ import trio
 
 import persistence.errors as store_errors
 from persistence.api import TaskRecord, TaskStore
+from persistence.locks import holding
 from protocol import (
     Message,
     ProtocolVersion,
@@ -119,7 +120,7 @@ class LiveTask:
         """
         task = self.task
         with trio.move_on_after(self.write_timeout_s, shield=True) as bound:
-            async with self._writing:
+            async with holding(self._writing):
                 task = change(self.task)
                 if task is self.task:
                     return task

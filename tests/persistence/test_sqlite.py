@@ -246,6 +246,16 @@ async def test_a_writer_whose_pool_was_closed_fails_its_writes_and_never_hangs(t
         assert [row[0] for row in conn.execute("SELECT app_name FROM app_states")] == ["before"]
 
 
+async def test_the_writers_cache_of_session_lengths_stays_bounded(tmp_path: Path) -> None:
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        store._lengths.max_known = 20
+        for k in range(100):
+            await store.append(f"s{k}", ['{"n":1}'])
+            assert len(store._lengths.known) <= 21
+        await store.append("s3", ['{"n":2}'])  # forgotten, so read again from the table
+        assert [e.seq for e in await store.events("s3")] == [0, 1]
+
+
 async def test_a_transcript_outlives_the_store_that_wrote_it(tmp_path: Path) -> None:
     transcript = [Message(role="user", text="q"), Message(role="assistant", text="a")]
     async with open_session_store(tmp_path / "runtime.db") as store:
