@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import trio
 
 from persistence.api import TaskPage, TaskRecord
 from persistence.errors import InvalidPage, TaskExists, TaskNotFound, VersionConflict
