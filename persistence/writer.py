@@ -104,12 +104,8 @@ class GroupCommitWriter:
         try:
             await self._drained.wait()
         finally:
-            with self._lock:
-                self._closed = True
-                left = list(self._queue)
-                self._queue.clear()
-            for batch in left:
-                batch.fail(StoreClosed(str(self.pool.path)))
+            self._closed = True
+            self._fail_queued(StoreClosed(str(self.pool.path)))
             self._stopped.set()
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
@@ -157,18 +153,22 @@ class GroupCommitWriter:
         try:
             batch = result.unwrap()
         except Exception as exc:  # the pool closed under the writer: nothing more will be written
-            with self._lock:
-                self._flushing = False
-                left = list(self._queue)
-                self._queue.clear()
-            for batch in left:
-                batch.fail(exc)
+            self._flushing = False  # the flush never ran, so it posted no other
+            self._fail_queued(exc)
             batch = None
         if batch is not None:
             self.batches += 1
             batch.done.set()
         if self._closed and not self._flushing:
             self._drained.set()
+
+    def _fail_queued(self, error: BaseException) -> None:  # in the Trio thread
+        """Fail every batch the pool's thread has not taken."""
+        with self._lock:
+            left = list(self._queue)
+            self._queue.clear()
+        for batch in left:
+            batch.fail(error)
 
     async def aclose(self) -> None:
         """Stop taking writes; those already queued are still committed before run() returns."""

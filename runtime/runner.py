@@ -75,7 +75,7 @@ def _unless_settled(outcome: Outcome) -> Outcome:
     return lambda current: current if current.status.state.is_terminal else outcome(current)
 
 
-CANCELED_BY_REQUEST = _unless_settled(_settle(TaskState.CANCELED, "The task was canceled."))
+CANCELED = _settle(TaskState.CANCELED, "The task was canceled.")
 
 
 @attrs.frozen
@@ -252,11 +252,11 @@ class Runner:
             if live is None:
                 return await self._cancel_stored(owner, task, version)
         live.scope.cancel()
-        return public(await live.persist(self.tasks, CANCELED_BY_REQUEST))
+        return public(await live.persist(self.tasks, _unless_settled(CANCELED)))
 
     async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
         """Settle a task no run of this process holds (its process died, or it ended just now)."""
-        canceled = with_status(task, TaskState.CANCELED, agent_message(task, "The task was canceled."))
+        canceled = CANCELED(task)
         try:
             await self.tasks.update(
                 owner, task.id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
@@ -319,7 +319,7 @@ class Runner:
             final = _settle(TaskState.FAILED, "The task failed with an internal error.")
         finally:
             if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
-                final = _settle(TaskState.CANCELED, "The task was canceled.")
+                final = CANCELED
             try:
                 # Shielded and bounded inside; a CancelTask may have written the end already.
                 await live.persist(self.tasks, _unless_settled(final))

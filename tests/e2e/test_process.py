@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from fake_model import FakeModel, Reply
@@ -96,27 +97,29 @@ async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(t
     assert [m.get("content") for m in fake_model.bodies[-1]["messages"] if m["role"] == "user"] == ["Tell me slowly."]
 
 
-async def test_sigterm_lets_a_running_task_finish_then_exits_zero(tmp_path: Path, fake_model: FakeModel) -> None:
-    fake_model.script = [Reply(text="finishing within the drain", chunk_chars=4, gap_s=0.05)]
+@pytest.mark.parametrize(
+    ("reply", "drain_timeout_s", "settled"),
+    [
+        # A run that finishes within the drain is left to finish ...
+        (Reply(text="finishing within the drain", chunk_chars=4, gap_s=0.05), "20", "TASK_STATE_COMPLETED"),
+        # ... and one that outlives it is cancelled and recorded CANCELED.
+        (Reply(text="never done", hang_after_chunks=1), "0.5", "TASK_STATE_CANCELED"),
+    ],
+    ids=["finishes", "outlives-the-drain"],
+)
+async def test_sigterm_drains_the_running_task_then_exits_zero(
+    tmp_path: Path, fake_model: FakeModel, reply: Reply, drain_timeout_s: str, settled: str
+) -> None:
+    fake_model.script = [reply]
     state = tmp_path / "state"
-    async with httpx.AsyncClient(timeout=30) as client, keel_process(state, fake_model.base_url, "--drain-timeout-s", "20") as keel:
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        keel_process(state, fake_model.base_url, "--drain-timeout-s", drain_timeout_s) as keel,
+    ):
         sent = await rpc(
             client, keel.url, "SendMessage", {"message": user_message("go"), "configuration": {"returnImmediately": True}}
         )
         task_id = sent["result"]["task"]["id"]
         await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
         assert await keel.terminate() == 0
-    assert stored_task(state, task_id)[0] == "TASK_STATE_COMPLETED"  # type: ignore[index]
-
-
-async def test_sigterm_cancels_what_outlives_the_drain_and_records_it_canceled(tmp_path: Path, fake_model: FakeModel) -> None:
-    fake_model.script = [Reply(text="never done", hang_after_chunks=1)]
-    state = tmp_path / "state"
-    async with httpx.AsyncClient(timeout=30) as client, keel_process(state, fake_model.base_url, "--drain-timeout-s", "0.5") as keel:
-        sent = await rpc(
-            client, keel.url, "SendMessage", {"message": user_message("hang"), "configuration": {"returnImmediately": True}}
-        )
-        task_id = sent["result"]["task"]["id"]
-        await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
-        assert await keel.terminate() == 0
-    assert stored_task(state, task_id)[0] == "TASK_STATE_CANCELED"  # type: ignore[index]
+    assert stored_task(state, task_id)[0] == settled  # type: ignore[index]
