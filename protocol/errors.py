@@ -111,6 +111,14 @@ class InternalError(ProtocolError):
         super().__init__(f"internal error while handling {what}; the server log has the details")
 
 
+class StreamCut(InternalError):
+    """A task's event stream ended before the task did; ``why`` says why and what to do."""
+
+    def __init__(self, task_id: str, why: str) -> None:
+        self.task_id = task_id
+        ProtocolError.__init__(self, f"the event stream of task {task_id!r} ended before the task did: {why}")
+
+
 class TaskNotFound(ProtocolError):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id

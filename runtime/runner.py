@@ -26,7 +26,7 @@ from protocol import (
     ListTasksParams,
     ListTasksResult,
     SendMessageParams,
-    StreamEvent,
+    StreamCut,
     Task,
     TaskArtifactUpdateEvent,
     TaskIsTerminal,
@@ -43,6 +43,7 @@ from runtime.tasks import (
     INTERNAL_KEY,
     STORED_VERSION,
     LiveTask,
+    StreamItem,
     agent_message,
     decode,
     encode,
@@ -268,14 +269,20 @@ class Runner:
         return public(canceled)
 
     @asynccontextmanager
-    async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamEvent]]:
+    async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamItem]]:
         """Events of one task: first the task as persisted, then what happens to it, ending when
-        it settles. Leaving the block ends only this subscription."""
+        it settles or, cut short, with a StreamCut. Leaving the block ends only this subscription."""
         live = self._live.get(task_id)
         if live is None or live.owner != owner:
             task, _ = await load(self.tasks, owner, task_id)
-            send, receive = trio.open_memory_channel[StreamEvent](1)
+            send, receive = trio.open_memory_channel[StreamItem](2)
             send.send_nowait(public(task))
+            if not task.status.state.ends_stream:  # not settled, and not run here
+                why = (
+                    "another server process runs it, and a stream follows only the tasks of the process"
+                    " serving it; poll GetTask, or subscribe through the replica that runs it"
+                )
+                send.send_nowait(StreamCut(task_id, why))
             send.close()
             with receive:
                 yield receive
@@ -325,6 +332,8 @@ class Runner:
                 await live.persist(self.tasks, _unless_settled(final))
             except (store_errors.StoreError, TimeoutError) as exc:
                 logger.error("task %s: its final state could not be stored: %s", live.task.id, exc)
+                why = "its final state could not be stored; GetTask shows it as last stored, and the server log has the details"
+                live.close(StreamCut(live.task.id, why))
             live.close()
             del self._live[live.task.id]
             if not self._live:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import uuid
@@ -16,8 +17,10 @@ from persistence.api import TaskRecord, TaskStore
 from persistence.locks import holding
 from protocol import (
     Message,
+    ProtocolError,
     ProtocolVersion,
     Role,
+    StreamCut,
     StreamEvent,
     Task,
     TaskNotFound,
@@ -31,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 STORED_VERSION = ProtocolVersion.V1_0  # the encoding of the task JSON column
 SUBSCRIBER_BUFFER = 4096  # events a subscriber may fall behind before it is dropped
+# What a subscription carries: the task's events, and last, if it is cut short, why.
+StreamItem = StreamEvent | ProtocolError
 
 
 def now() -> datetime:
@@ -102,7 +107,7 @@ class LiveTask:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk
     # Each subscriber's receive side -> its send side, so that leaving drops both at once.
-    _subscribers: dict[trio.MemoryReceiveChannel[StreamEvent], trio.MemorySendChannel[StreamEvent]] = attrs.field(
+    _subscribers: dict[trio.MemoryReceiveChannel[StreamItem], trio.MemorySendChannel[StreamItem]] = attrs.field(
         init=False, factory=dict
     )
     _writing: trio.Lock = attrs.field(init=False, factory=trio.Lock)
@@ -137,9 +142,11 @@ class LiveTask:
             self.close()
         return task
 
-    def subscribe(self) -> trio.MemoryReceiveChannel[StreamEvent]:
-        """A channel that starts with the task as it stands, then carries every event."""
-        send, receive = trio.open_memory_channel[StreamEvent](SUBSCRIBER_BUFFER)
+    def subscribe(self) -> trio.MemoryReceiveChannel[StreamItem]:
+        """A channel that starts with the task as it stands, then carries every event. It ends
+        after the task settles, or, cut short, with a StreamCut saying why."""
+        # One slot more than a subscriber may fall behind: room for the StreamCut that drops it.
+        send, receive = trio.open_memory_channel[StreamItem](SUBSCRIBER_BUFFER + 1)
         send.send_nowait(public(self.task))
         if self.settled.is_set():
             send.close()
@@ -147,7 +154,7 @@ class LiveTask:
             self._subscribers[receive] = send
         return receive
 
-    def unsubscribe(self, receive: trio.MemoryReceiveChannel[StreamEvent]) -> None:
+    def unsubscribe(self, receive: trio.MemoryReceiveChannel[StreamItem]) -> None:
         self._drop(receive)
         receive.close()
 
@@ -157,22 +164,31 @@ class LiveTask:
 
     def publish(self, event: StreamEvent) -> None:
         for receive, send in list(self._subscribers.items()):
+            if send.statistics().current_buffer_used >= SUBSCRIBER_BUFFER:
+                logger.warning("task %s: a subscriber fell %d events behind and was dropped", self.task.id, SUBSCRIBER_BUFFER)
+                why = (
+                    f"this client fell {SUBSCRIBER_BUFFER} events behind. The task goes on: subscribe again"
+                    " (SubscribeToTask; tasks/resubscribe in A2A 0.3) to follow it from where it stands"
+                )
+                self._drop(receive, StreamCut(self.task.id, why))
+                continue
             try:
                 send.send_nowait(event)
-            except trio.WouldBlock:
-                logger.warning("task %s: a subscriber fell %d events behind and was dropped", self.task.id, SUBSCRIBER_BUFFER)
-                self._drop(receive)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._drop(receive)
 
-    def close(self) -> None:
+    def close(self, cut: StreamCut | None = None) -> None:
         """The task has settled: end every subscription after what was already sent. The run may
-        still be ending (saving a partial answer); nothing it publishes now is sent."""
+        still be ending (saving a partial answer); nothing it publishes now is sent. ``cut``
+        ends each subscription instead, when the task's end could not be announced."""
         self.settled.set()
         for receive in list(self._subscribers):
-            self._drop(receive)
+            self._drop(receive, cut)
 
-    def _drop(self, receive: trio.MemoryReceiveChannel[StreamEvent]) -> None:
+    def _drop(self, receive: trio.MemoryReceiveChannel[StreamItem], cut: StreamCut | None = None) -> None:
         send = self._subscribers.pop(receive, None)
         if send is not None:
+            if cut is not None:
+                with contextlib.suppress(trio.BrokenResourceError):  # a subscriber that already left
+                    send.send_nowait(cut)  # never blocks: a slot is kept free for it
             send.close()

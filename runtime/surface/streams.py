@@ -41,12 +41,13 @@ from protocol import (
     success_response,
 )
 from protocol.sse import HEADERS
+from runtime.tasks import StreamItem
 
 
 class Subscriptions(Protocol):
     """What a stream needs of the runner."""
 
-    def subscribe(self, owner: str, task_id: str) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[StreamEvent]]: ...
+    def subscribe(self, owner: str, task_id: str) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[StreamItem]]: ...
 
 KEEPALIVE = encode_comment("keep-alive")
 
@@ -75,7 +76,7 @@ class TaskEventStream(ResponseBody):
     keepalive_s: float
     first: Task | None = None
     _exits: AsyncExitStack = attrs.field(init=False, factory=AsyncExitStack)
-    _events: trio.MemoryReceiveChannel[StreamEvent] | None = attrs.field(init=False, default=None)
+    _events: trio.MemoryReceiveChannel[StreamItem] | None = attrs.field(init=False, default=None)
     _frames: deque[bytes] = attrs.field(init=False, factory=deque)
     _last_task: Task | None = attrs.field(init=False, default=None)
     _ended: bool = attrs.field(init=False, default=False)
@@ -113,12 +114,15 @@ class TaskEventStream(ResponseBody):
         with trio.move_on_after(self.keepalive_s) as idle:
             try:
                 event = await self._events.receive()
-            except trio.EndOfChannel:
-                # The task settled, or this subscriber fell too far behind and was dropped.
+            except trio.EndOfChannel:  # after the event that ended the stream, or a StreamCut
                 self._ended = True
                 return
         if idle.cancelled_caught:
             self._frames.append(KEEPALIVE)
+            return
+        if isinstance(event, ProtocolError):  # cut short: the client is told why, and what to do
+            self._frames.append(encode_event(error_response(self.request_id, event, self.version)))
+            self._ended = True
             return
         if isinstance(event, Task) and self._last_task is not None:
             for update in _updates_since(self._last_task, event):

@@ -31,6 +31,7 @@ from protocol import (
 from runtime.runner import ANONYMOUS
 from runtime.surface import SurfaceConfig
 from runtime.surface.streams import TaskEventStream
+from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, encode, new_id, now
 from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message, serve_keel
 
 V1 = "1.0"
@@ -203,6 +204,21 @@ async def test_an_idle_stream_sends_keepalive_comments(fake_model: FakeModel, tm
         assert state(frames[-1]) == "TASK_STATE_COMPLETED"
 
 
+@BOTH
+async def test_subscribing_to_a_task_another_process_runs_says_where_to_look(keel: Served, version: str | None) -> None:
+    # What a replica sharing the database sees of a task another one is running.
+    elsewhere = Task(id=new_id(), context_id=new_id(), status=TaskStatus(state=TaskState.WORKING, timestamp=now()))
+    await keel.tasks.create(
+        ANONYMOUS, task_id=elsewhere.id, context_id=elsewhere.context_id, state="TASK_STATE_WORKING", task_json=encode(elsewhere)
+    )
+    async with keel.stream(SUBSCRIBE[version], {"id": elsewhere.id}, version=version) as events:
+        first, *rest = await events.rest()
+    assert state(first["result"]) in ("TASK_STATE_WORKING", "working")
+    (last,) = rest
+    assert last["id"] == 1 and last["error"]["code"] == -32603
+    assert elsewhere.id in last["error"]["message"] and "another server process runs it" in last["error"]["message"]
+
+
 # -- the stream body on its own, against a runner double ------------------------------------------
 
 
@@ -260,3 +276,36 @@ async def test_a_streaming_send_does_not_repeat_an_unchanged_task() -> None:
 async def test_a_task_that_vanishes_before_its_stream_opens_gets_an_error_event() -> None:
     frames = await frames_of(ScriptedSubscriptions(error=TaskNotFound("t-1")), first=None)
     assert [frame["error"]["code"] for frame in frames] == [-32001]
+
+
+@attrs.define
+class LiveSubscriptions:
+    """The runner's part of a subscription, around one LiveTask."""
+
+    live: LiveTask
+
+    @asynccontextmanager
+    async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamItem]]:
+        receive = self.live.subscribe()
+        try:
+            yield receive
+        finally:
+            self.live.unsubscribe(receive)
+
+
+async def test_a_client_that_falls_too_far_behind_is_told_so_in_the_last_event() -> None:
+    live = LiveTask(owner="o", task=task_in(TaskState.WORKING), version=2)
+    stream = TaskEventStream(
+        runner=LiveSubscriptions(live), owner="o", task_id="t-1", request_id=1, version=ProtocolVersion.V1_0, keepalive_s=10
+    )
+    update = TaskStatusUpdateEvent(task_id="t-1", context_id="c-1", status=task_in(TaskState.WORKING).status)
+    parser = SseParser()
+    async with stream as chunks:
+        for _ in range(SUBSCRIBER_BUFFER + 1):  # while the client reads nothing
+            live.publish(update)
+        assert live.subscribers == 0  # dropped; the task goes on
+        raw = b"".join([chunk async for chunk in chunks])
+    frames = [json.loads(event.data) for event in parser.feed(raw)]
+    assert [kind(f) for f in results(frames[:-1])] == ["task"] + ["statusUpdate"] * (SUBSCRIBER_BUFFER - 1)
+    error = frames[-1]["error"]
+    assert error["code"] == -32603 and "'t-1'" in error["message"] and "SubscribeToTask" in error["message"]

@@ -1,4 +1,5 @@
-"""LiveTask: writes that apply each change to the newest task, and subscriptions that end at once."""
+"""LiveTask: writes that apply each change to the newest task, and subscriptions that end at
+once, or, cut short, with why."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from collections.abc import Sequence
 import attrs
 import trio
 
+from persistence.api import TaskRecord
+from persistence.errors import StoreClosed
 from persistence.memory import MemorySessionStore, MemoryTaskStore
 from persistence.transcript import Message as Transcribed
-from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart
+from protocol import Message, Role, SendMessageParams, StreamCut, Task, TaskState, TaskStatus, TaskStatusUpdateEvent, TextPart
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner
-from runtime.tasks import LiveTask, decode, encode, new_id, now, with_status
+from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, decode, encode, new_id, now, with_status
 from tests.runtime.agent_support import Answer, ScriptedModel
 
 
@@ -42,6 +45,36 @@ async def test_unsubscribe_forgets_the_subscriber_at_once() -> None:
     assert live.subscribers == 1
     live.unsubscribe(receive)
     assert live.subscribers == 0
+
+
+def drain(receive: trio.MemoryReceiveChannel[StreamItem]) -> list[StreamItem]:
+    items = []
+    while True:
+        try:
+            items.append(receive.receive_nowait())
+        except trio.EndOfChannel:
+            return items
+
+
+async def test_a_subscriber_that_falls_too_far_behind_is_cut_off_with_why_and_the_others_go_on() -> None:
+    live = await live_task(MemoryTaskStore())
+    slow, fast = live.subscribe(), live.subscribe()
+    read: list[StreamItem] = [fast.receive_nowait()]  # the task as it stands
+    sent = [
+        TaskStatusUpdateEvent(task_id="t-1", context_id="c-1", status=TaskStatus(state=TaskState.WORKING, timestamp=now()))
+        for _ in range(SUBSCRIBER_BUFFER + 10)
+    ]
+    for event in sent:
+        live.publish(event)
+        read.append(fast.receive_nowait())  # this one keeps up
+    assert read[1:] == sent and live.subscribers == 1
+    kept = drain(slow)  # the task, as many events as fit, then why it ends
+    assert kept[0] == live.task and kept[1:-1] == sent[: SUBSCRIBER_BUFFER - 1]
+    cut = kept[-1]
+    assert isinstance(cut, StreamCut) and "'t-1'" in cut.message and f"{SUBSCRIBER_BUFFER} events behind" in cut.message
+    assert "SubscribeToTask" in cut.message
+    live.close()
+    assert drain(fast) == []  # the settled task ends the other one, without a cut
 
 
 def test_new_ids_are_distinct_version_4_uuids() -> None:
@@ -87,3 +120,32 @@ async def test_a_cancel_written_first_stands_when_the_run_then_completes() -> No
     assert stored.status.state is TaskState.CANCELED  # the run's COMPLETED did not overwrite it
     assert stored.status == canceled.status
     assert (await sessions.messages(task.context_id))[-1].text == "All done."  # the answer was kept
+
+
+@attrs.define(eq=False)
+class EndNotStored(MemoryTaskStore):
+    """A task store whose disk fails just when a run's end is written."""
+
+    async def update(self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None) -> TaskRecord:
+        if state == "TASK_STATE_COMPLETED":
+            raise StoreClosed("tasks.db")
+        return await super().update(owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
+
+
+async def test_a_subscriber_is_told_when_the_tasks_end_could_not_be_stored() -> None:
+    sessions, tasks = AnswerSaveGate(), EndNotStored()
+    runner = Runner(sessions, tasks, ScriptedModel([Answer("All done.")]), AgentSpec())
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+        with trio.fail_after(10):
+            await sessions.entered.wait()
+        async with runner.subscribe(ANONYMOUS, task.id) as events:
+            sessions.release.set()
+            with trio.fail_after(10):
+                received = [event async for event in events]
+        runner.stop()
+    cut = received[-1]
+    assert isinstance(cut, StreamCut) and task.id in cut.message and "could not be stored" in cut.message
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
