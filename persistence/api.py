@@ -101,8 +101,12 @@ class TaskStore(Protocol):
     async def get(self, owner: str, task_id: str) -> TaskRecord: ...
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None
-    ) -> TaskRecord: ...
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+    ) -> TaskRecord:
+        """Replace the task's state and JSON, checking ``expected_version`` unless None.
+        ``urgent``: the write a client is waiting on (a cancel) goes ahead of writes queued for
+        the same commit, where the store has such a queue."""
+        ...
 
     async def list(
         self,

@@ -174,7 +174,7 @@ class MemoryTaskStore(_Closable):
         return record
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
     ) -> TaskRecord:
         current = await self.get(owner, task_id)
         if expected_version is not None and expected_version != current.version:

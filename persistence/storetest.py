@@ -336,6 +336,7 @@ async def a_session_runs_one_turn_at_a_time_and_sessions_run_side_by_side(backen
 # -- tasks --------------------------------------------------------------------------------------
 
 SUBMITTED, WORKING, COMPLETED = "TASK_STATE_SUBMITTED", "TASK_STATE_WORKING", "TASK_STATE_COMPLETED"
+CANCELED = "TASK_STATE_CANCELED"
 
 
 async def make_task(store: TaskStore, task_id: str, *, owner: str = "alice", context_id: str = "ctx", state: str = SUBMITTED) -> Any:
@@ -372,6 +373,14 @@ async def an_update_bumps_the_version_and_a_stale_one_is_a_conflict(backend: Bac
         unchecked = await store.update("alice", "t1", state=COMPLETED, task_json="{}", expected_version=None)
         assert unchecked.version == 3
         assert (await store.get("alice", "t1")).state == COMPLETED
+        try:  # an urgent write is the same write, only sooner
+            await store.update("alice", "t1", state=CANCELED, task_json="{}", expected_version=2, urgent=True)
+        except VersionConflict as exc:
+            assert (exc.expected, exc.actual) == (2, 3)
+        else:
+            raise AssertionError("a stale urgent write was accepted")
+        urgent = await store.update("alice", "t1", state=CANCELED, task_json='{"c":1}', expected_version=3, urgent=True)
+        assert (urgent.version, urgent.state) == (4, CANCELED) and await store.get("alice", "t1") == urgent
 
 
 @task_check

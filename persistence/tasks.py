@@ -165,9 +165,11 @@ class SqliteTaskStore(WriterBacked):
         return record_from_row(row)
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
     ) -> TaskRecord:
-        return await self._writer.submit(_update_txn, owner, task_id, state, task_json, expected_version)
+        return await self._writer.submit(
+            _update_txn, owner, task_id, state, task_json, expected_version, urgent=urgent
+        )
 
     async def list(
         self,

@@ -40,6 +40,11 @@ def is_json(text: str) -> bool:
 
 def check_contents(session_id: str, contents: Sequence[str], *, first_index: int, max_bytes: int) -> None:
     """Raise InvalidEvent for the first content that is not JSON text of at most max_bytes."""
+    for content in contents:  # the common case first: every content fine, checked cheaply
+        if type(content) is not str or len(content) * 4 > max_bytes or not is_json(content):
+            break
+    else:
+        return
     for offset, content in enumerate(contents):
         index = first_index + offset
         if not isinstance(content, str):

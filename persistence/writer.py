@@ -48,11 +48,12 @@ class _Item:
 
 
 class _Batch:
-    __slots__ = ("items", "done")
+    __slots__ = ("items", "done", "urgent")
 
-    def __init__(self) -> None:
+    def __init__(self, *, urgent: bool = False) -> None:
         self.items: list[_Item] = []
         self.done = trio.Event()
+        self.urgent = urgent
 
     def failed(self, error: BaseException) -> None:
         for item in self.items:
@@ -108,16 +109,20 @@ class GroupCommitWriter:
             self._fail_queued(StoreClosed(str(self.pool.path)))
             self._stopped.set()
 
-    async def submit(self, fn: Callable[..., T], *args: Any) -> T:
+    async def submit(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
+        """Run ``fn(conn, *args)`` in the next batch; return its result once that is durable.
+
+        ``urgent``: committed next, ahead of the writes queued before it (behind only the batch
+        already committing), in a batch that holds urgent writes alone: for the one write a
+        client waits on while the writer is busy. Two writes of one thing must not be in
+        flight at once either way, since an urgent one may overtake the other."""
         if self._closed:
             raise StoreClosed(str(self.pool.path))
         if self._token is None:
             raise RuntimeError("The store's writer is not running; start it with `await nursery.start(store.run)`.")
         item = _Item(fn, args)
         with self._lock:
-            if not self._queue or len(self._queue[-1].items) >= self.max_batch:
-                self._queue.append(_Batch())
-            batch = self._queue[-1]
+            batch = self._open_batch(urgent)
             batch.items.append(item)
             post, self._flushing = not self._flushing, True
         if post:
@@ -128,6 +133,19 @@ class GroupCommitWriter:
                 raise DatabaseFailed(self.pool.path, item.error) from item.error
             raise item.error
         return item.result  # type: ignore[no-any-return]  # fn's result, set in the pool's thread
+
+    def _open_batch(self, urgent: bool) -> _Batch:  # under the lock
+        """The batch a write joins: the newest one, or for an urgent write the urgent batch at
+        the front; a new one when that is full or of the other kind."""
+        queue = self._queue
+        batch = (queue[0] if urgent else queue[-1]) if queue else None
+        if batch is None or batch.urgent != urgent or len(batch.items) >= self.max_batch:
+            batch = _Batch(urgent=urgent)
+            if urgent:
+                queue.appendleft(batch)
+            else:
+                queue.append(batch)
+        return batch
 
     def _flush(self, conn: sqlite3.Connection) -> _Batch | None:  # in the pool's thread
         """Commit the oldest batch; post the next flush if more are queued."""

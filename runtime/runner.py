@@ -253,7 +253,8 @@ class Runner:
             if live is None:
                 return await self._cancel_stored(owner, task, version)
         live.scope.cancel()
-        return public(await live.persist(self.tasks, _unless_settled(CANCELED)))
+        # Urgent: under load the writer is busy, and this write is what the client waits on.
+        return public(await live.persist(self.tasks, _unless_settled(CANCELED), urgent=True))
 
     async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
         """Settle a task no run of this process holds (its process died, or it ended just now)."""
@@ -261,7 +262,7 @@ class Runner:
         try:
             await self.tasks.update(
                 owner, task.id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
-                expected_version=version,
+                expected_version=version, urgent=True,
             )  # fmt: skip
         except store_errors.VersionConflict:
             # It changed after it was read (a run that has just ended wrote it): judge it again.

@@ -112,10 +112,11 @@ class LiveTask:
     )
     _writing: trio.Lock = attrs.field(init=False, factory=trio.Lock)
 
-    async def persist(self, tasks: TaskStore, change: Callable[[Task], Task]) -> Task:
+    async def persist(self, tasks: TaskStore, change: Callable[[Task], Task], *, urgent: bool = False) -> Task:
         """Apply ``change`` to the newest task, write the result (version-checked), then tell the
         subscribers; returns the task as written. A ``change`` that returns the task it was given
         writes nothing. Once a terminal state is written the task has settled (see ``close``).
+        ``urgent`` asks the store to commit this write ahead of those queued (a cancel).
 
         One write at a time (the run and a steering request may both write), and ``change`` is
         applied under that lock to the task as it stands then, never to a copy read before the
@@ -131,7 +132,7 @@ class LiveTask:
                     return task
                 record = await tasks.update(
                     self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(task),
-                    expected_version=self.version,
+                    expected_version=self.version, urgent=urgent,
                 )  # fmt: skip
                 self.version = record.version
                 self.task = task

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sqlite3
@@ -96,6 +97,39 @@ async def test_group_commit_writes_queued_before_close_are_committed(tmp_path: P
     assert sorted(done) == list(range(20))
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT count(*) FROM app_states").fetchone()[0] == 20
+
+
+async def test_an_urgent_write_is_committed_next_ahead_of_the_writes_queued_before_it(tmp_path: Path) -> None:
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    writer = GroupCommitWriter(pool)
+    committing, release = threading.Event(), threading.Event()
+    written: list[str] = []  # in the pool's thread, in the order the writes ran
+
+    def write(conn: sqlite3.Connection, name: str) -> None:
+        if name == "in flight":  # holds its batch's transaction open, as a slow commit does
+            committing.set()
+            release.wait(10)
+        conn.execute("INSERT INTO app_states VALUES (?, '{}', 0)", (name,))
+        written.append(name)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.run)
+        nursery.start_soon(writer.submit, write, "in flight")
+        await trio.to_thread.run_sync(committing.wait, 10)
+        for n in range(3):
+            nursery.start_soon(writer.submit, write, f"queued {n}")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(functools.partial(writer.submit, write, "urgent", urgent=True))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(writer.submit, write, "queued after")  # joins the queued, not the urgent
+        await trio.testing.wait_all_tasks_blocked()
+        before = writer.batches
+        release.set()
+        await writer.aclose()  # run() returns once the queued writes are committed
+    await pool.aclose()
+    assert written[:2] == ["in flight", "urgent"]
+    assert sorted(written[2:5]) == ["queued 0", "queued 1", "queued 2"] and written[5:] == ["queued after"]
+    assert writer.batches - before == 3  # the one in flight, the urgent one alone, then the rest
 
 
 async def test_a_pools_calls_run_one_at_a_time_in_its_own_thread_in_the_order_made(tmp_path: Path) -> None:

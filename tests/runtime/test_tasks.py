@@ -126,7 +126,9 @@ async def test_a_cancel_written_first_stands_when_the_run_then_completes() -> No
 class EndNotStored(MemoryTaskStore):
     """A task store whose disk fails just when a run's end is written."""
 
-    async def update(self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None) -> TaskRecord:
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+    ) -> TaskRecord:
         if state == "TASK_STATE_COMPLETED":
             raise StoreClosed("tasks.db")
         return await super().update(owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
@@ -149,3 +151,31 @@ async def test_a_subscriber_is_told_when_the_tasks_end_could_not_be_stored() -> 
     cut = received[-1]
     assert isinstance(cut, StreamCut) and task.id in cut.message and "could not be stored" in cut.message
     assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
+
+
+@attrs.define(eq=False)
+class WritesSeen(MemoryTaskStore):
+    """A task store that notes each update's state and whether it was urgent."""
+
+    writes: list[tuple[str, bool]] = attrs.field(factory=list)
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+    ) -> TaskRecord:
+        self.writes.append((state, urgent))
+        return await super().update(owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
+
+
+async def test_a_cancels_write_goes_ahead_of_queued_writes_and_the_runs_own_do_not() -> None:
+    sessions, tasks = AnswerSaveGate(), WritesSeen()
+    runner = Runner(sessions, tasks, ScriptedModel([Answer("All done.")]), AgentSpec())
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+        with trio.fail_after(10):
+            await sessions.entered.wait()
+        await runner.cancel(ANONYMOUS, task.id)
+        sessions.release.set()
+        runner.stop()
+    assert tasks.writes == [("TASK_STATE_WORKING", False), ("TASK_STATE_CANCELED", True)]
