@@ -3,7 +3,8 @@ once, or, cut short, with why."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import attrs
 import trio
@@ -102,72 +103,28 @@ class AnswerSaveGate(MemorySessionStore):
         await super().save(session_id, messages)
 
 
-async def test_a_cancel_written_first_stands_when_the_run_then_completes() -> None:
-    sessions, tasks = AnswerSaveGate(), MemoryTaskStore()
-    runner = Runner(sessions, tasks, ScriptedModel([Answer("All done.")]), AgentSpec())
-    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runner.run)
-        task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
-        with trio.fail_after(10):
-            await sessions.entered.wait()
-        canceled = await runner.cancel(ANONYMOUS, task.id)  # answered while the run still saves
-        assert canceled.status.state is TaskState.CANCELED
-        assert runner.statistics().running == 1
-        sessions.release.set()
-        runner.stop()
-    stored = decode(await tasks.get(ANONYMOUS, task.id))
-    assert stored.status.state is TaskState.CANCELED  # the run's COMPLETED did not overwrite it
-    assert stored.status == canceled.status
-    assert (await sessions.messages(task.context_id))[-1].text == "All done."  # the answer was kept
-
-
 @attrs.define(eq=False)
-class EndNotStored(MemoryTaskStore):
-    """A task store whose disk fails just when a run's end is written."""
+class NotedTasks(MemoryTaskStore):
+    """A task store that notes each update's state and whether it was urgent; its disk fails
+    when the state ``fail_at`` is written."""
 
-    async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
-    ) -> TaskRecord:
-        if state == "TASK_STATE_COMPLETED":
-            raise StoreClosed("tasks.db")
-        return await super().update(owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
-
-
-async def test_a_subscriber_is_told_when_the_tasks_end_could_not_be_stored() -> None:
-    sessions, tasks = AnswerSaveGate(), EndNotStored()
-    runner = Runner(sessions, tasks, ScriptedModel([Answer("All done.")]), AgentSpec())
-    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runner.run)
-        task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
-        with trio.fail_after(10):
-            await sessions.entered.wait()
-        async with runner.subscribe(ANONYMOUS, task.id) as events:
-            sessions.release.set()
-            with trio.fail_after(10):
-                received = [event async for event in events]
-        runner.stop()
-    cut = received[-1]
-    assert isinstance(cut, StreamCut) and task.id in cut.message and "could not be stored" in cut.message
-    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
-
-
-@attrs.define(eq=False)
-class WritesSeen(MemoryTaskStore):
-    """A task store that notes each update's state and whether it was urgent."""
-
+    fail_at: str | None = None
     writes: list[tuple[str, bool]] = attrs.field(factory=list)
 
     async def update(
         self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
     ) -> TaskRecord:
         self.writes.append((state, urgent))
+        if state == self.fail_at:
+            raise StoreClosed("tasks.db")
         return await super().update(owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
 
 
-async def test_a_cancels_write_goes_ahead_of_queued_writes_and_the_runs_own_do_not() -> None:
-    sessions, tasks = AnswerSaveGate(), WritesSeen()
+@asynccontextmanager
+async def turn_held_at_its_answer(tasks: MemoryTaskStore) -> AsyncIterator[tuple[Runner, AnswerSaveGate, Task]]:
+    """A running runner and its one task, whose run is inside the shielded save of its answer
+    until the block releases it (or leaves); the runner stops when the block is left."""
+    sessions = AnswerSaveGate()
     runner = Runner(sessions, tasks, ScriptedModel([Answer("All done.")]), AgentSpec())
     question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
     async with trio.open_nursery() as nursery:
@@ -175,7 +132,37 @@ async def test_a_cancels_write_goes_ahead_of_queued_writes_and_the_runs_own_do_n
         task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
         with trio.fail_after(10):
             await sessions.entered.wait()
-        await runner.cancel(ANONYMOUS, task.id)
+        yield runner, sessions, task
         sessions.release.set()
         runner.stop()
+
+
+async def test_a_cancel_written_first_stands_when_the_run_then_completes() -> None:
+    tasks = MemoryTaskStore()
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        canceled = await runner.cancel(ANONYMOUS, task.id)  # answered while the run still saves
+        assert canceled.status.state is TaskState.CANCELED
+        assert runner.statistics().running == 1
+    stored = decode(await tasks.get(ANONYMOUS, task.id))
+    assert stored.status.state is TaskState.CANCELED  # the run's COMPLETED did not overwrite it
+    assert stored.status == canceled.status
+    assert (await sessions.messages(task.context_id))[-1].text == "All done."  # the answer was kept
+
+
+async def test_a_cancels_write_goes_ahead_of_queued_writes_and_the_runs_own_do_not() -> None:
+    tasks = NotedTasks()
+    async with turn_held_at_its_answer(tasks) as (runner, _, task):
+        await runner.cancel(ANONYMOUS, task.id)
     assert tasks.writes == [("TASK_STATE_WORKING", False), ("TASK_STATE_CANCELED", True)]
+
+
+async def test_a_subscriber_is_told_when_the_tasks_end_could_not_be_stored() -> None:
+    tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        async with runner.subscribe(ANONYMOUS, task.id) as events:
+            sessions.release.set()
+            with trio.fail_after(10):
+                received = [event async for event in events]
+    cut = received[-1]
+    assert isinstance(cut, StreamCut) and task.id in cut.message and "could not be stored" in cut.message
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
