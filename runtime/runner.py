@@ -333,7 +333,10 @@ class Runner:
                 await live.persist(self.tasks, _unless_settled(final))
             except (store_errors.StoreError, TimeoutError) as exc:
                 logger.error("task %s: its final state could not be stored: %s", live.task.id, exc)
-                why = "its final state could not be stored; GetTask shows it as last stored, and the server log has the details"
+                why = (
+                    "its final state could not be stored; GetTask shows it as last stored,"
+                    " and the server log has the details"
+                )
                 live.close(StreamCut(live.task.id, why))
             live.close()
             del self._live[live.task.id]
