@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -42,8 +44,23 @@ def now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+_IDS_AT_ONCE = 256
+_ids: list[str] = []
+_ids_lock = threading.Lock()
+
+
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """A random version-4 UUID, as 32 hex digits.
+
+    Drawn from the OS's random source 256 at a time. That system call lets go of the GIL, and
+    under load each let-go can hand it to a database thread and leave the event loop waiting to
+    get it back: with one call per id, a runner driven in process (no HTTP) ran a tenth fewer
+    turns a second."""
+    with _ids_lock:
+        if not _ids:
+            raw = os.urandom(16 * _IDS_AT_ONCE)
+            _ids.extend(uuid.UUID(bytes=raw[i : i + 16], version=4).hex for i in range(0, len(raw), 16))
+        return _ids.pop()
 
 
 def encode(task: Task) -> str:
