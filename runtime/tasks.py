@@ -47,6 +47,7 @@ def now() -> datetime:
 _IDS_AT_ONCE = 256
 _ids: list[str] = []
 _ids_lock = threading.Lock()
+os.register_at_fork(after_in_child=_ids.clear)  # a forked child must not repeat its parent's ids
 
 
 def new_id() -> str:

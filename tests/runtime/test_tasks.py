@@ -3,6 +3,8 @@ once, or, cut short, with why."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -76,6 +78,27 @@ async def test_a_subscriber_that_falls_too_far_behind_is_cut_off_with_why_and_th
     assert "SubscribeToTask" in cut.message
     live.close()
     assert drain(fast) == []  # the settled task ends the other one, without a cut
+
+
+FORK_AND_DRAW = """
+import os
+from runtime.tasks import new_id
+new_id()  # the parent now holds ids drawn but not yet used
+read, write = os.pipe()
+if os.fork() == 0:
+    os.write(write, new_id().encode())
+    os._exit(0)
+os.close(write)
+os.wait()
+print(os.read(read, 64).decode(), new_id())
+"""
+
+
+def test_a_forked_child_never_repeats_its_parents_ids() -> None:
+    # In a fresh interpreter, which has no threads to make a fork unsafe.
+    done = subprocess.run([sys.executable, "-c", FORK_AND_DRAW], capture_output=True, text=True, timeout=60, check=True)
+    childs, parents = done.stdout.split()
+    assert len(childs) == len(parents) == 32 and childs != parents
 
 
 def test_new_ids_are_distinct_version_4_uuids() -> None:
