@@ -20,7 +20,7 @@ from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
 from persistence.tasks import UNFINISHED_STATES, check_page_size, decode_page_token, encode_page_token
 from persistence.transcript import Message
-from persistence.validate import MAX_EVENT_BYTES, check_contents, check_session_id, check_steer, decode_messages, plan_save
+from persistence.validate import MAX_EVENT_BYTES, checked_append, check_session_id, check_steer, decode_messages, plan_save
 
 
 @attrs.define(eq=False)
@@ -73,9 +73,7 @@ class MemorySessionStore(_Closable):
     async def append(
         self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
     ) -> int:
-        check_session_id(session_id)
-        contents = list(contents)
-        check_contents(session_id, contents, first_index=0, max_bytes=self.max_event_bytes)
+        contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes)
         await self._enter()
         length = len(self.data.events.get(session_id, ()))
         if at is not None and at != length:

@@ -44,6 +44,7 @@ from persistence.statedir import (
     generation_lock,
     live_inventory,
     make_fresh_dir,
+    write_all,
 )
 
 _CHUNK_BYTES = 1 << 20
@@ -158,9 +159,7 @@ def _copy_durably(source: Path, target: Path) -> FileEvidence:
             while chunk := os.read(src, _CHUNK_BYTES):
                 digest.update(chunk)
                 size += len(chunk)
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(dst, view) :]
+                write_all(dst, chunk)
             os.fsync(dst)
         finally:
             os.close(dst)

@@ -20,9 +20,9 @@ from persistence.writer import WriterBacked, running
 from persistence.transcript import Message
 from persistence.validate import (
     MAX_EVENT_BYTES,
-    check_contents,
     check_session_id,
     check_steer,
+    checked_append,
     decode_messages,
     plan_save,
 )
@@ -225,9 +225,7 @@ class SqliteSessionStore(WriterBacked):
     async def append(
         self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
     ) -> int:
-        check_session_id(session_id)
-        contents = list(contents)
-        check_contents(session_id, contents, first_index=0, max_bytes=self.max_event_bytes)
+        contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes)
         return await self._writer.submit(_append_txn, self._lengths, session_id, contents, at, author)
 
     async def save(self, session_id: str, messages: Sequence[Message]) -> None:

@@ -57,6 +57,14 @@ def check_contents(session_id: str, contents: Sequence[str], *, first_index: int
                 raise InvalidEvent(session_id, index, f"content is not JSON ({exc})") from None
 
 
+def checked_append(session_id: str, contents: Sequence[str], *, max_bytes: int) -> list[str]:
+    """The contents of an append, as a list, once the session id and every content are checked."""
+    check_session_id(session_id)
+    contents = list(contents)
+    check_contents(session_id, contents, first_index=0, max_bytes=max_bytes)
+    return contents
+
+
 def check_session_id(session_id: str) -> None:
     if not isinstance(session_id, str) or not session_id:
         raise ValueError("a session id must be a non-empty string; an empty one would collect every conversation in one bucket")
