@@ -34,7 +34,9 @@ class Message:
     """One message of a transcript.
 
     ``partial`` marks an assistant message the model was still streaming when the run was
-    cancelled: what it had said so far, kept rather than lost.
+    cancelled: what it had said so far, kept rather than lost. ``turn_id`` names the turn a
+    user message opened (the runner uses the A2A task's id), so that a turn resumed after a
+    crash finds where it began; it is stored, never sent to the model.
     """
 
     role: str = attrs.field(validator=attrs.validators.in_(ROLES))
@@ -43,6 +45,7 @@ class Message:
     tool_call_id: str = ""
     name: str = ""
     partial: bool = False
+    turn_id: str = ""
 
     def to_json(self) -> str:
         """The stored form: empty fields are left out, so the shape stays small and stable."""
@@ -57,6 +60,8 @@ class Message:
             data["name"] = self.name
         if self.partial:
             data["partial"] = True
+        if self.turn_id:
+            data["turn_id"] = self.turn_id
         return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
     @classmethod
@@ -73,6 +78,7 @@ class Message:
                 tool_call_id=data.get("tool_call_id", ""),
                 name=data.get("name", ""),
                 partial=bool(data.get("partial", False)),
+                turn_id=data.get("turn_id", ""),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a message: {exc}") from exc

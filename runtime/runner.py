@@ -40,7 +40,6 @@ from protocol import (
 from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, TextDelta
 from runtime.models import ModelError
 from runtime.tasks import (
-    INTERNAL_KEY,
     STORED_VERSION,
     LiveTask,
     StreamItem,
@@ -51,7 +50,6 @@ from runtime.tasks import (
     message_text,
     new_id,
     now,
-    public,
     with_status,
 )
 
@@ -103,6 +101,9 @@ class Runner:
     config: RunnerConfig = RunnerConfig()
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _live: dict[str, LiveTask] = attrs.field(init=False, factory=dict)
+    # Contexts minted by send() whose first turn has not begun: no transcript is stored for
+    # them yet, so that turn need not read one. The task id is the task that minted it.
+    _fresh: dict[str, str] = attrs.field(init=False, factory=dict)
     _stopping: trio.Event = attrs.field(init=False, factory=trio.Event)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -147,10 +148,13 @@ class Runner:
         """A new task (SUBMITTED, durable before this returns), or a steer for a working one."""
         message = params.message
         if message.task_id:
-            return public(await self._to_existing(owner, message.task_id, params))
+            return await self._to_existing(owner, message.task_id, params)
         self._refuse_if_stopping()
-        context_id = message.context_id or new_id()
         task_id = new_id()
+        context_id = message.context_id
+        if not context_id:
+            context_id = new_id()
+            self._fresh[context_id] = task_id
         message = attrs.evolve(message, task_id=task_id, context_id=context_id)
         task = Task(
             id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
@@ -207,7 +211,6 @@ class Runner:
     async def get(self, owner: str, task_id: str, history_length: int | None = None) -> Task:
         live = self._live.get(task_id)
         task = live.task if live is not None and live.owner == owner else (await load(self.tasks, owner, task_id))[0]
-        task = public(task)
         return task if history_length is None else trim_history(task, history_length, STORED_VERSION)
 
     async def list_tasks(self, owner: str, params: ListTasksParams) -> ListTasksResult:
@@ -225,7 +228,7 @@ class Runner:
             raise InvalidParams("pageToken" if "token" in str(exc) else "pageSize", str(exc)) from exc
         tasks = []
         for record in page.records:
-            task = public(decode(record))
+            task = decode(record)
             if params.history_length is not None:
                 task = trim_history(task, params.history_length, STORED_VERSION)
             if not params.include_artifacts:
@@ -254,7 +257,7 @@ class Runner:
                 return await self._cancel_stored(owner, task, version)
         live.scope.cancel()
         # Urgent: under load the writer is busy, and this write is what the client waits on.
-        return public(await live.persist(self.tasks, _unless_settled(CANCELED), urgent=True))
+        return await live.persist(self.tasks, _unless_settled(CANCELED), urgent=True)
 
     async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
         """Settle a task no run of this process holds (its process died, or it ended just now)."""
@@ -267,7 +270,7 @@ class Runner:
         except store_errors.VersionConflict:
             # It changed after it was read (a run that has just ended wrote it): judge it again.
             return await self.cancel(owner, task.id)
-        return public(canceled)
+        return canceled
 
     @asynccontextmanager
     async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamItem]]:
@@ -277,7 +280,7 @@ class Runner:
         if live is None or live.owner != owner:
             task, _ = await load(self.tasks, owner, task_id)
             send, receive = trio.open_memory_channel[StreamItem](2)
-            send.send_nowait(public(task))
+            send.send_nowait(task)
             if not task.status.state.ends_stream:  # not settled, and not run here
                 why = (
                     "another server process runs it, and a stream follows only the tasks of the process"
@@ -303,7 +306,7 @@ class Runner:
         # The run's snapshot is what its last write stored (LiveTask changes it only once that
         # write is durable), so it is not read back: a store read and a decode less per blocking
         # send, about a seventh of its CPU in scripts/bench/a2a.py.
-        return public(live.task)
+        return live.task
 
     # -- runs -------------------------------------------------------------------------------------
 
@@ -339,37 +342,46 @@ class Runner:
                 )
                 live.close(StreamCut(live.task.id, why))
             live.close()
+            if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
+                del self._fresh[live.task.context_id]
             del self._live[live.task.id]
             if not self._live:
                 self._idle.set()
 
     async def _turn(self, live: LiveTask) -> Outcome:
-        """One turn on the task's session: WORKING durable before the model is called, then the
-        agent loop, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
+        """One turn on the task's session: the agent loop, WORKING durable before the model is
+        called, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
         task = live.task
         session = Session.open(task.context_id, self.sessions)
         async with self.sessions.turn_lock(task.context_id):
-            messages = await session.messages()
-            start = _transcript_start(task)
-            if start is None:
-                start = len(messages)
-            if len(messages) <= start:
+            # The first turn of a context minted for this task has nothing stored to read. (Only
+            # the reply to this task's send names that context, and this run takes the lock in
+            # its first step, long before another request could: no other turn comes first.)
+            fresh = self._fresh.pop(task.context_id, None) == task.id
+            messages = [] if fresh else await session.messages()
+            turn = _turn_of(messages, task.id)
+            if not turn:
                 # The turn's first run, or its process died before the question was saved.
-                messages.append(Transcribed(role="user", text=message_text(task.history[0])))
-            elif _answered(messages[start:]):
+                messages.append(Transcribed(role="user", text=message_text(task.history[0]), turn_id=task.id))
+            elif _answered(turn):
                 # Its process died after the answer was saved but before the task said so.
-                return self._completed(live, messages[-1].text)
+                return self._completed(live, turn[-1].text)
             # Otherwise a resumed run continues from the transcript as saved: the step in flight
             # when the process died is done again (see AgentRun._ask).
-            metadata = {**(task.metadata or {}), INTERNAL_KEY: {"transcriptStart": start}}
-            await live.persist(self.tasks, lambda current: attrs.evolve(with_status(current, TaskState.WORKING), metadata=metadata))
-            stream = _AnswerStream(live)
-            run = AgentRun(self.model, self.agent, messages, session=session, on_event=stream.on_event)
-            try:
-                result = await run.run()
-            except (AgentError, ModelError) as exc:
-                logger.info("task %s failed: %r", task.id, exc)
-                return _settle(TaskState.FAILED, f"The task failed: {exc}")
+            #
+            # WORKING goes to tasks.db while the loop saves the transcript to runtime.db; the
+            # model is asked once both are durable. The nursery is this turn's, and lives no
+            # longer than the loop.
+            working = _Working(live, self.tasks)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(working.write)
+                stream = _AnswerStream(live)
+                run = AgentRun(self.model, self.agent, messages, session=session, on_event=stream.on_event, ready=working.wait)
+                try:
+                    result = await run.run()
+                except (AgentError, ModelError) as exc:
+                    logger.info("task %s failed: %r", task.id, exc)
+                    return _settle(TaskState.FAILED, f"The task failed: {exc}")
         return self._completed(live, result.output)
 
     def _completed(self, live: LiveTask, output: str) -> Outcome:
@@ -403,11 +415,41 @@ def _answered(turn: list[Transcribed]) -> bool:
     return last.role == "assistant" and not last.tool_calls and not last.partial
 
 
-def _transcript_start(task: Task) -> int | None:
-    keel = (task.metadata or {}).get(INTERNAL_KEY)
-    if isinstance(keel, dict) and isinstance(keel.get("transcriptStart"), int):
-        return int(keel["transcriptStart"])
-    return None
+def _turn_of(messages: list[Transcribed], task_id: str) -> list[Transcribed]:
+    """The task's turn in the transcript: from the question it saved up to the next turn's
+    question (there is one only if unfinished turns were resumed out of order); empty if its
+    question was never saved."""
+    for start in range(len(messages) - 1, -1, -1):
+        if messages[start].turn_id == task_id:
+            end = start + 1
+            while end < len(messages) and not messages[end].turn_id:
+                end += 1
+            return messages[start:end]
+    return []
+
+
+@attrs.define(eq=False)
+class _Working:
+    """The task's WORKING state, written alongside the loop's first save; the loop's first model
+    request waits for it (``AgentRun.ready``), and a write that failed fails the run there."""
+
+    live: LiveTask
+    tasks: TaskStore
+    _done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _error: Exception | None = attrs.field(init=False, default=None)
+
+    async def write(self) -> None:
+        try:
+            await self.live.persist(self.tasks, lambda current: with_status(current, TaskState.WORKING))
+        except Exception as exc:  # handed to the run, which fails with it (see wait)
+            self._error = exc
+        finally:
+            self._done.set()
+
+    async def wait(self) -> None:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
 
 
 @attrs.define(eq=False)

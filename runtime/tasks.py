@@ -89,17 +89,6 @@ def message_text(message: Message) -> str:
     return "\n".join(pieces)
 
 
-INTERNAL_KEY = "keel"  # task.metadata["keel"]: the runner's own notes, never shown to clients
-
-
-def public(task: Task) -> Task:
-    """The task as clients see it: without the runner's notes in its metadata."""
-    if not task.metadata or INTERNAL_KEY not in task.metadata:
-        return task
-    rest = {key: value for key, value in task.metadata.items() if key != INTERNAL_KEY}
-    return attrs.evolve(task, metadata=rest or None)
-
-
 def with_status(task: Task, state: TaskState, message: Message | None = None) -> Task:
     return attrs.evolve(task, status=TaskStatus(state=state, message=message, timestamp=now()))
 
@@ -166,7 +155,7 @@ class LiveTask:
         after the task settles, or, cut short, with a StreamCut saying why."""
         # One slot more than a subscriber may fall behind: room for the StreamCut that drops it.
         send, receive = trio.open_memory_channel[StreamItem](SUBSCRIBER_BUFFER + 1)
-        send.send_nowait(public(self.task))
+        send.send_nowait(self.task)
         if self.settled.is_set():
             send.close()
         else:

@@ -11,7 +11,7 @@ what a crash costs).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -114,6 +114,10 @@ class AgentRun:
     )
     session: Session | None = None
     on_event: Callable[[AgentEvent], None] = _ignore
+    # Awaited once, after the first save and before the first model request: whatever else must
+    # be true before the model is asked, done meanwhile by the caller (the runner: the task's
+    # WORKING state, written to its own database while the transcript is saved to this one).
+    ready: Callable[[], Awaitable[object]] | None = None
     _box: SteerBox = attrs.field(init=False, factory=SteerBox)
     _calls: int = attrs.field(init=False, default=0)
     _usage: Usage | None = attrs.field(init=False, default=None)
@@ -167,6 +171,8 @@ class AgentRun:
         # A run resumed from a session's stored messages starts here; if a process died during
         # a step, the transcript ends where that step began, and the step is done again (_ask).
         await self._prepare_request()
+        if self.ready is not None:
+            await self.ready()
         while True:
             steps += 1
             answer = await self._ask(specs)

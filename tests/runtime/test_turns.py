@@ -1,0 +1,200 @@
+"""Where a turn begins and what it waits for: the question a task saves is tagged with the task's
+id, so a turn cut short by a dying process is resumed from exactly where it was; and the model is
+asked only once the task's WORKING state and the transcript are both durable."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import trio
+import trio.testing
+from fake_model import FakeModel, Reply
+
+from persistence.api import TaskRecord
+from persistence.errors import StoreClosed
+from persistence.session import Session
+from persistence.sessions import SqliteSessionStore, open_session_store
+from persistence.tasks import SqliteTaskStore, open_task_store
+from persistence.transcript import Message as Transcribed
+from persistence.writer import running
+from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart
+from runtime.agent import AgentSpec
+from runtime.models import ModelConfig, open_model_client
+from runtime.runner import ANONYMOUS, Runner
+from runtime.tasks import STORED_VERSION, encode, new_id, now
+
+DEADLINE_S = 10.0
+QUESTION = "Is the deploy done?"
+
+
+def question() -> Message:
+    return Message(message_id=new_id(), role=Role.USER, parts=(TextPart(QUESTION),))
+
+
+@asynccontextmanager
+async def runner_over(
+    state: Path, model: FakeModel, open_tasks: Callable[[Path], object] = open_task_store
+) -> AsyncIterator[tuple[Runner, SqliteSessionStore, SqliteTaskStore]]:
+    """A runner over the SQLite files in ``state`` (taking up what a dead process left there
+    before this yields) and the fake model server; stopped when the block is left."""
+    async with (
+        open_session_store(state / "runtime.db") as sessions,
+        open_tasks(state / "tasks.db") as tasks,  # type: ignore[attr-defined]
+        open_model_client(ModelConfig(base_url=model.base_url, max_retries=0)) as client,
+        trio.open_nursery() as nursery,
+    ):
+        runner: Runner = await nursery.start(Runner(sessions, tasks, client, AgentSpec()).run)
+        yield runner, sessions, tasks
+        runner.stop()
+
+
+async def left_by_a_dead_process(
+    state: Path, state_left: TaskState, transcript: Callable[[str], Sequence[Transcribed]], *, context_id: str = "ctx-1"
+) -> str:
+    """Store a task and its session as a process that died mid-turn leaves them; its id."""
+    state.mkdir(parents=True, exist_ok=True)
+    task = Task(
+        id=new_id(), context_id=context_id, status=TaskStatus(state=state_left, timestamp=now()), history=(question(),)
+    )  # fmt: skip
+    async with open_session_store(state / "runtime.db") as sessions, open_task_store(state / "tasks.db") as tasks:
+        await tasks.create(
+            ANONYMOUS, task_id=task.id, context_id=context_id, state=state_left.wire_name(STORED_VERSION), task_json=encode(task)
+        )  # fmt: skip
+        await Session.open(context_id, sessions).save(transcript(task.id))
+    return task.id
+
+
+def user_texts(body: dict[str, object]) -> list[str]:
+    return [m["content"] for m in body["messages"] if m["role"] == "user"]  # type: ignore[attr-defined, index]
+
+
+EARLIER = [Transcribed(role="user", text="Which region?", turn_id="an-earlier-task"), Transcribed(role="assistant", text="eu-west-1.")]
+
+
+async def test_a_turn_whose_process_died_after_saving_its_question_asks_it_once(tmp_path: Path, fake_model: FakeModel) -> None:
+    # Its WORKING state, written alongside that save, never became durable: the task is SUBMITTED.
+    task_id = await left_by_a_dead_process(
+        tmp_path, TaskState.SUBMITTED, lambda task_id: [*EARLIER, Transcribed(role="user", text=QUESTION, turn_id=task_id)]
+    )
+    fake_model.default = Reply(text="Yes, at noon.")
+    async with runner_over(tmp_path, fake_model) as (runner, sessions, _):
+        with trio.fail_after(DEADLINE_S):
+            settled = await runner.wait_settled(ANONYMOUS, task_id)
+        assert settled.status.state is TaskState.COMPLETED
+        assert [user_texts(body) for body in fake_model.bodies] == [["Which region?", QUESTION]]
+        assert [m.text for m in await sessions.messages("ctx-1")] == ["Which region?", "eu-west-1.", QUESTION, "Yes, at noon."]
+
+
+async def test_a_turn_whose_process_died_before_saving_its_question_saves_it_once(tmp_path: Path, fake_model: FakeModel) -> None:
+    task_id = await left_by_a_dead_process(tmp_path, TaskState.WORKING, lambda task_id: EARLIER)
+    fake_model.default = Reply(text="Yes, at noon.")
+    async with runner_over(tmp_path, fake_model) as (runner, sessions, _):
+        with trio.fail_after(DEADLINE_S):
+            assert (await runner.wait_settled(ANONYMOUS, task_id)).status.state is TaskState.COMPLETED
+        assert [user_texts(body) for body in fake_model.bodies] == [["Which region?", QUESTION]]
+        stored = await sessions.messages("ctx-1")
+        assert [(m.text, m.turn_id) for m in stored[2:]] == [(QUESTION, task_id), ("Yes, at noon.", "")]
+
+
+async def test_a_turn_whose_process_died_after_saving_its_answer_completes_without_asking_again(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    task_id = await left_by_a_dead_process(
+        tmp_path,
+        TaskState.WORKING,
+        lambda task_id: [Transcribed(role="user", text=QUESTION, turn_id=task_id), Transcribed(role="assistant", text="Yes.")],
+    )
+    async with runner_over(tmp_path, fake_model) as (runner, _, _):
+        with trio.fail_after(DEADLINE_S):
+            settled = await runner.wait_settled(ANONYMOUS, task_id)
+    assert settled.status.state is TaskState.COMPLETED
+    assert settled.status.message is not None and settled.status.message.parts == (TextPart("Yes."),)
+    assert fake_model.bodies == []
+
+
+async def test_a_later_turns_answer_is_never_taken_for_an_unfinished_turns_own(tmp_path: Path, fake_model: FakeModel) -> None:
+    # Two turns of one context were unfinished when a process died, and the later one was
+    # resumed (and answered) first: the earlier one's question is followed by the later turn.
+    task_id = await left_by_a_dead_process(
+        tmp_path,
+        TaskState.SUBMITTED,
+        lambda task_id: [
+            Transcribed(role="user", text=QUESTION, turn_id=task_id),
+            Transcribed(role="user", text="And the rollback?", turn_id="a-later-task"),
+            Transcribed(role="assistant", text="Not needed."),
+        ],
+    )
+    fake_model.default = Reply(text="Yes, at noon.")
+    async with runner_over(tmp_path, fake_model) as (runner, _, _):
+        with trio.fail_after(DEADLINE_S):
+            settled = await runner.wait_settled(ANONYMOUS, task_id)
+    assert settled.status.message is not None and settled.status.message.parts == (TextPart("Yes, at noon."),)
+    assert len(fake_model.bodies) == 1
+
+
+@attrs.define(eq=False)
+class HeldWorking(SqliteTaskStore):
+    """tasks.db whose WORKING writes wait for ``release`` (or fail, with ``fail``)."""
+
+    entered: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
+    release: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
+    fail: bool = attrs.field(default=False, kw_only=True)
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+    ) -> TaskRecord:
+        if state == TaskState.WORKING.wire_name(STORED_VERSION):
+            self.entered.set()
+            await self.release.wait()
+            if self.fail:
+                raise StoreClosed("tasks.db")
+        return await super().update(
+            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent
+        )  # fmt: skip
+
+
+def held_working(fail: bool) -> Callable[[Path], object]:
+    @asynccontextmanager
+    async def open_tasks(path: Path) -> AsyncIterator[HeldWorking]:
+        store = await HeldWorking.open(path)
+        store.fail = fail
+        async with running(store) as opened:
+            yield opened
+
+    return open_tasks
+
+
+async def test_the_question_is_saved_while_working_is_written_and_the_model_waits_for_both(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.default = Reply(text="Yes.")
+    async with runner_over(tmp_path, fake_model, held_working(fail=False)) as (runner, sessions, tasks):
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=question()))
+        with trio.fail_after(DEADLINE_S):
+            await tasks.entered.wait()
+            while not await sessions.messages(task.context_id):  # saved while WORKING is held
+                await trio.sleep(0.005)
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+        assert fake_model.bodies == [], "the model was asked before the task was WORKING on disk"
+        assert (await tasks.get(ANONYMOUS, task.id)).state == TaskState.SUBMITTED.wire_name(STORED_VERSION)
+        tasks.release.set()
+        with trio.fail_after(DEADLINE_S):
+            settled = await runner.wait_settled(ANONYMOUS, task.id)
+    assert settled.status.state is TaskState.COMPLETED
+    assert len(fake_model.bodies) == 1
+
+
+async def test_a_working_state_that_cannot_be_stored_fails_the_task_before_the_model_is_asked(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.default = Reply(text="Yes.")
+    async with runner_over(tmp_path, fake_model, held_working(fail=True)) as (runner, _, tasks):
+        tasks.release.set()
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=question()))
+        with trio.fail_after(DEADLINE_S):
+            settled = await runner.wait_settled(ANONYMOUS, task.id)
+    assert settled.status.state is TaskState.FAILED
+    assert fake_model.bodies == []
