@@ -14,7 +14,7 @@ import outcome
 import trio
 
 from persistence.errors import DatabaseFailed, StoreClosed
-from persistence.sqlite import SqlitePool
+from persistence.sqlite import SqlitePool, begin_immediate
 
 T = TypeVar("T")
 W = TypeVar("W", bound="WriterBacked")
@@ -220,7 +220,7 @@ class _ItemFailed(Exception):
 
 
 def _transaction(conn: sqlite3.Connection, batch: list[_Item], hooks: BatchHooks | None, *, careful: bool) -> None:
-    conn.execute("BEGIN IMMEDIATE")
+    begin_immediate(conn)
     try:
         if hooks is not None:
             hooks.begin(conn, careful=careful)
@@ -235,10 +235,10 @@ def _transaction(conn: sqlite3.Connection, batch: list[_Item], hooks: BatchHooks
                 raise _ItemFailed from exc
         if hooks is not None:
             hooks.finish(conn)
-        conn.execute("COMMIT")
+        conn.commit()
     except BaseException:
         if conn.in_transaction:
-            conn.execute("ROLLBACK")
+            conn.rollback()
         if hooks is not None:
             hooks.abort()
         raise

@@ -18,7 +18,7 @@ from persistence.errors import SchemaError
 from persistence.schema import SchemaIdentity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
-from persistence.sqlite import SqlitePool, inspect
+from persistence.sqlite import SqlitePool, connect, inspect, transaction
 from persistence.writer import GroupCommitWriter
 from persistence.tasks import TASKS_SCHEMA, open_task_store
 from persistence.transcript import Message
@@ -37,6 +37,24 @@ async def test_sqlite_pool_uses_wal_full_sync_foreign_keys_and_a_busy_timeout(tm
             lambda conn: [conn.execute(f"PRAGMA {name}").fetchone()[0] for name in ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")]
         )
     assert settings == ["wal", 2, 1, 5000]  # synchronous 2 = FULL
+
+
+def test_a_transaction_commits_its_writes_and_rolls_back_on_error_and_never_nests(tmp_path: Path) -> None:
+    conn = connect(tmp_path / "t.db")
+    conn.execute("CREATE TABLE t (v INTEGER)")
+    transaction(conn, lambda c: c.execute("INSERT INTO t VALUES (1)"))
+    with pytest.raises(ZeroDivisionError):
+        transaction(conn, lambda c: (c.execute("INSERT INTO t VALUES (2)"), 1 / 0))
+    assert not conn.in_transaction
+    conn.execute("BEGIN")
+    conn.execute("INSERT INTO t VALUES (3)")
+    with pytest.raises(RuntimeError, match="already open"):  # not committed behind the caller's back
+        transaction(conn, lambda c: None)
+    conn.rollback()
+    conn.close()
+    check = sqlite3.connect(tmp_path / "t.db")
+    assert check.execute("SELECT v FROM t").fetchall() == [(1,)]
+    check.close()
 
 
 async def test_group_commit_puts_concurrent_appends_in_few_transactions(tmp_path: Path) -> None:
