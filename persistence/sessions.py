@@ -98,15 +98,21 @@ def _length_txn(conn: sqlite3.Connection, session_id: str) -> int:
 
 @attrs.define(eq=False)
 class SessionLengths:
-    """Session lengths as the writer's connection knows them, so that an append is one INSERT.
+    """What the writer's connection knows of each session it wrote: its length, the content of
+    its last event, and whether it has steers waiting. An append is then one INSERT, and a save
+    (which checks that it extends what is stored, and takes the steers) reads nothing back.
 
-    Batch hooks of the group-commit writer; touched only in the pool's thread. The lengths are
+    Batch hooks of the group-commit writer; touched only in the pool's thread. What is known is
     trusted only while no other connection has committed (``PRAGMA data_version`` changes when
-    one has). In a batch's fast path the events are inserted together, before COMMIT.
+    one has: another process's steer, say). In a batch's fast path the events are inserted
+    together, before COMMIT. Every statement spared is several calls into SQLite spared, each
+    of which lets go of the GIL and must take it back, which under load is a wait.
     """
 
     data_version: int | None = None
     known: dict[str, int] = attrs.field(factory=dict)
+    last: dict[str, str] = attrs.field(factory=dict)  # the content of the last event, for those written here
+    no_steers: set[str] = attrs.field(factory=set)  # sessions with no steer waiting
     max_known: int = 10_000  # then forgotten: a cache, not a record of every session ever written
     rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
     careful: bool = False  # a savepoint per write: insert at once, inside it
@@ -114,8 +120,8 @@ class SessionLengths:
 
     def begin(self, conn: sqlite3.Connection, *, careful: bool) -> None:
         (version,) = conn.execute("PRAGMA data_version").fetchone()
-        if version != self.data_version or len(self.known) > self.max_known:
-            self.known.clear()
+        if version != self.data_version or len(self.known) > self.max_known or len(self.no_steers) > self.max_known:
+            self.forget()
             self.data_version = version
         self.rows.clear()
         self.careful = careful
@@ -132,13 +138,18 @@ class SessionLengths:
 
     def abort(self) -> None:
         self.data_version = None
-        self.known.clear()
+        self.forget()
         self.rows.clear()
 
     def item_failed(self) -> None:
-        # The failed write may have created a session row, or taken positions, that its
-        # savepoint undid; in careful mode the table itself is accurate, so ask it again.
+        # The failed write may have created a session row, or taken positions or steers, that
+        # its savepoint undid; in careful mode the tables themselves are accurate, so ask them.
+        self.forget()
+
+    def forget(self) -> None:
         self.known.clear()
+        self.last.clear()
+        self.no_steers.clear()
 
     def length(self, conn: sqlite3.Connection, session_id: str) -> int:
         length = self.known.get(session_id)
@@ -153,6 +164,18 @@ class SessionLengths:
         if self.careful:
             self.flush(conn)
         self.known[session_id] = at + len(contents)
+        if contents:
+            self.last[session_id] = contents[-1]
+
+    def last_content(self, conn: sqlite3.Connection, session_id: str, length: int) -> str:
+        """The content of the session's last event (of ``length``, from ``length()``)."""
+        last = self.last.get(session_id)
+        if last is None:
+            self.flush(conn)
+            (last,) = conn.execute(
+                "SELECT content FROM events WHERE session_id = ? AND seq = ?", (session_id, length - 1)
+            ).fetchone()
+        return last
 
 
 _INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
@@ -172,29 +195,32 @@ def _save_txn(
     conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, messages: Sequence[Message], max_bytes: int
 ) -> None:
     stored = lengths.length(conn, session_id)
-    last = None
-    if stored:
-        lengths.flush(conn)
-        (last,) = conn.execute(
-            "SELECT content FROM events WHERE session_id = ? AND seq = ?", (session_id, stored - 1)
-        ).fetchone()
+    last = lengths.last_content(conn, session_id, stored) if stored else None
     contents = plan_save(session_id, messages, stored=stored, last_stored=last, max_bytes=max_bytes)
     if contents:
         lengths.insert(conn, session_id, stored, "agent", contents)
 
 
-def _take_steers_txn(conn: sqlite3.Connection, session_id: str) -> list[str]:
+def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str) -> list[str]:
+    if session_id in lengths.no_steers:
+        return []
     rows = conn.execute("SELECT id, text FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
     if rows:
         conn.execute("DELETE FROM steers WHERE session_id = ? AND id <= ?", (session_id, rows[-1][0]))
+    lengths.no_steers.add(session_id)
     return [text for _, text in rows]
+
+
+def _add_steer_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str) -> None:
+    conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES (?, ?, ?)", (session_id, text, now_ms()))
+    lengths.no_steers.discard(session_id)
 
 
 def _save_and_take_txn(
     conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, messages: Sequence[Message], max_bytes: int
 ) -> list[str]:
     _save_txn(conn, lengths, session_id, messages, max_bytes)
-    return _take_steers_txn(conn, session_id)
+    return _take_steers_txn(conn, lengths, session_id)
 
 
 @attrs.define(eq=False)
@@ -256,14 +282,10 @@ class SqliteSessionStore(WriterBacked):
     async def add_steer(self, session_id: str, text: str) -> None:
         check_session_id(session_id)
         check_steer(session_id, text)
-        await self._writer.submit(
-            lambda conn: conn.execute(
-                "INSERT INTO steers (session_id, text, created_at_ms) VALUES (?, ?, ?)", (session_id, text, now_ms())
-            )
-        )
+        await self._writer.submit(_add_steer_txn, self._lengths, session_id, text)
 
     async def take_steers(self, session_id: str) -> list[str]:
-        return await self._writer.submit(_take_steers_txn, session_id)
+        return await self._writer.submit(_take_steers_txn, self._lengths, session_id)
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         return self._locks.hold(session_id)

@@ -57,6 +57,21 @@ def test_a_transaction_commits_its_writes_and_rolls_back_on_error_and_never_nest
     check.close()
 
 
+async def test_what_the_writer_knows_of_a_session_is_dropped_when_another_connection_writes(tmp_path: Path) -> None:
+    from persistence.errors import TranscriptConflict
+
+    question, answer = Message(role="user", text="Which region?"), Message(role="assistant", text="eu-west-1.")
+    async with open_session_store(tmp_path / "runtime.db") as here, open_session_store(tmp_path / "runtime.db") as there:
+        assert await here.save_and_take_steers("s", [question, answer]) == []  # now known: 2 events, no steers
+        await there.save("s", [question, answer, Message(role="user", text="And the rollback?")])
+        await there.add_steer("s", "check the canary first")
+        # Had ``here`` trusted what it knew, its answer would still be the last event stored.
+        with pytest.raises(TranscriptConflict, match="message 2 differs"):
+            await here.save_and_take_steers("s", [question, answer, answer, Message(role="user", text="Then?")])
+        assert await here.take_steers("s") == ["check the canary first"]
+        assert [m.text for m in await here.messages("s")] == ["Which region?", "eu-west-1.", "And the rollback?"]
+
+
 async def test_group_commit_puts_concurrent_appends_in_few_transactions(tmp_path: Path) -> None:
     async with open_session_store(tmp_path / "runtime.db") as store:
         before = store.batches
