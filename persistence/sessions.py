@@ -80,12 +80,13 @@ def now_ms() -> int:
 
 def _ensure_txn(conn: sqlite3.Connection, session_id: str, app_name: str, user_id: str, now: int) -> int:
     """Create the session if it is new (concurrent first uses create one row); return its length."""
-    conn.execute(
+    created = conn.execute(
         "INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES (?, ?, ?, ?, ?)"
         " ON CONFLICT (session_id) DO NOTHING",
         (session_id, app_name, user_id, now, now),
-    )
-    return _length_txn(conn, session_id)
+    ).rowcount
+    # A session created just now has no events (each event's row refers to its session's).
+    return 0 if created else _length_txn(conn, session_id)
 
 
 def _length_txn(conn: sqlite3.Connection, session_id: str) -> int:

@@ -151,10 +151,7 @@ class Runner:
             return await self._to_existing(owner, message.task_id, params)
         self._refuse_if_stopping()
         task_id = new_id()
-        context_id = message.context_id
-        if not context_id:
-            context_id = new_id()
-            self._fresh[context_id] = task_id
+        context_id = message.context_id or new_id()
         message = attrs.evolve(message, task_id=task_id, context_id=context_id)
         task = Task(
             id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
@@ -164,6 +161,8 @@ class Runner:
             owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
             task_json=encode(task),
         )  # fmt: skip
+        if context_id != params.message.context_id:  # minted here
+            self._fresh[context_id] = task_id
         self._start(self._live_task(owner, task, record.version))
         return task
 
