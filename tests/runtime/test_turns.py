@@ -5,7 +5,7 @@ asked only once the task's WORKING state and the transcript are both durable."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import attrs
@@ -34,15 +34,18 @@ def question() -> Message:
     return Message(message_id=new_id(), role=Role.USER, parts=(TextPart(QUESTION),))
 
 
+OpenTasks = Callable[[Path], AbstractAsyncContextManager[SqliteTaskStore]]
+
+
 @asynccontextmanager
 async def runner_over(
-    state: Path, model: FakeModel, open_tasks: Callable[[Path], object] = open_task_store
+    state: Path, model: FakeModel, open_tasks: OpenTasks = open_task_store
 ) -> AsyncIterator[tuple[Runner, SqliteSessionStore, SqliteTaskStore]]:
     """A runner over the SQLite files in ``state`` (taking up what a dead process left there
     before this yields) and the fake model server; stopped when the block is left."""
     async with (
         open_session_store(state / "runtime.db") as sessions,
-        open_tasks(state / "tasks.db") as tasks,  # type: ignore[attr-defined]
+        open_tasks(state / "tasks.db") as tasks,
         open_model_client(ModelConfig(base_url=model.base_url, max_retries=0)) as client,
         trio.open_nursery() as nursery,
     ):
@@ -156,7 +159,7 @@ class HeldWorking(SqliteTaskStore):
         )  # fmt: skip
 
 
-def held_working(fail: bool) -> Callable[[Path], object]:
+def held_working(fail: bool) -> OpenTasks:
     @asynccontextmanager
     async def open_tasks(path: Path) -> AsyncIterator[HeldWorking]:
         store = await HeldWorking.open(path)
