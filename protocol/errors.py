@@ -7,6 +7,8 @@ ProtocolError
 ├── InvalidParams                   -32602  a field is missing or has the wrong shape
 │   └── ContextMismatch                     a message's contextId is not its task's
 ├── InternalError                   -32603  a bug or an outage; details stay in the log
+│   ├── EndNotStored                        a blocking send's task ended, its end unwritten
+│   └── StreamCut                           a stream ended before its task did
 ├── TaskNotFound                    -32001  no such task (for this caller)
 ├── TaskNotCancelable               -32002  the task is already terminal
 ├── PushNotificationNotSupported    -32003
@@ -109,6 +111,17 @@ class ContextMismatch(InvalidParams):
 class InternalError(ProtocolError):
     def __init__(self, what: str = "the request") -> None:
         super().__init__(f"internal error while handling {what}; the server log has the details")
+
+
+END_NOT_STORED = "its final state could not be stored; GetTask shows it as last stored, and the server log has the details"
+
+
+class EndNotStored(InternalError):
+    """A task's run ended, but its final state could not be stored: the answer to a blocking send."""
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        ProtocolError.__init__(self, f"task {task_id!r} ended, but {END_NOT_STORED}")
 
 
 class StreamCut(InternalError):

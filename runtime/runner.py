@@ -20,8 +20,10 @@ from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
     DEFAULT_PAGE_SIZE,
+    END_NOT_STORED,
     Artifact,
     ContextMismatch,
+    EndNotStored,
     InvalidParams,
     ListTasksParams,
     ListTasksResult,
@@ -297,11 +299,14 @@ class Runner:
             live.unsubscribe(receive)
 
     async def wait_settled(self, owner: str, task_id: str) -> Task:
-        """Block until the task is terminal or interrupted, and return it as persisted."""
+        """Block until the task is terminal or interrupted, and return it as persisted. Raises
+        EndNotStored if the run ended but its final state could not be written."""
         live = self._live.get(task_id)
         if live is None or live.owner != owner:
             return await self.get(owner, task_id)
         await live.settled.wait()
+        if not live.end_stored:
+            raise EndNotStored(task_id)
         # The run's snapshot is what its last write stored (LiveTask changes it only once that
         # write is durable), so it is not read back: a store read and a decode less per blocking
         # send, about a seventh of its CPU in scripts/bench/a2a.py.
@@ -335,11 +340,7 @@ class Runner:
                 await live.persist(self.tasks, _unless_settled(final))
             except (store_errors.StoreError, TimeoutError) as exc:
                 logger.error("task %s: its final state could not be stored: %s", live.task.id, exc)
-                why = (
-                    "its final state could not be stored; GetTask shows it as last stored,"
-                    " and the server log has the details"
-                )
-                live.close(StreamCut(live.task.id, why))
+                live.close(StreamCut(live.task.id, END_NOT_STORED))
             live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]

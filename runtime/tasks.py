@@ -112,7 +112,8 @@ class LiveTask:
     version: int
     write_timeout_s: float = 5.0
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk
+    settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk, or could not be written
+    end_stored: bool = True  # False once the run's final state could not be written
     # Each subscriber's receive side -> its send side, so that leaving drops both at once.
     _subscribers: dict[trio.MemoryReceiveChannel[StreamItem], trio.MemorySendChannel[StreamItem]] = attrs.field(
         init=False, factory=dict
@@ -189,6 +190,8 @@ class LiveTask:
         """The task has settled: end every subscription after what was already sent. The run may
         still be ending (saving a partial answer); nothing it publishes now is sent. ``cut``
         ends each subscription instead, when the task's end could not be announced."""
+        if cut is not None:
+            self.end_stored = False
         self.settled.set()
         for receive in list(self._subscribers):
             self._drop(receive, cut)

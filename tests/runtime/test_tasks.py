@@ -9,13 +9,14 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
+import pytest
 import trio
 
 from persistence.api import TaskRecord
 from persistence.errors import StoreClosed
 from persistence.memory import MemorySessionStore, MemoryTaskStore
 from persistence.transcript import Message as Transcribed
-from protocol import Message, Role, SendMessageParams, StreamCut, Task, TaskState, TaskStatus, TaskStatusUpdateEvent, TextPart
+from protocol import EndNotStored, Message, Role, SendMessageParams, StreamCut, Task, TaskState, TaskStatus, TaskStatusUpdateEvent, TextPart
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner
 from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, decode, encode, new_id, now, with_status
@@ -188,4 +189,14 @@ async def test_a_subscriber_is_told_when_the_tasks_end_could_not_be_stored() -> 
                 received = [event async for event in events]
     cut = received[-1]
     assert isinstance(cut, StreamCut) and task.id in cut.message and "could not be stored" in cut.message
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
+
+
+async def test_a_blocking_send_is_told_when_the_tasks_end_could_not_be_stored() -> None:
+    tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        sessions.release.set()
+        with trio.fail_after(10), pytest.raises(EndNotStored) as raised:
+            await runner.wait_settled(ANONYMOUS, task.id)  # what a blocking SendMessage waits on
+    assert task.id in str(raised.value) and "could not be stored" in str(raised.value)
     assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
