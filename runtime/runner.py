@@ -106,6 +106,10 @@ class Runner:
     # Contexts minted by send() whose first turn has not begun: no transcript is stored for
     # them yet, so that turn need not read one. The task id is the task that minted it.
     _fresh: dict[str, str] = attrs.field(init=False, factory=dict)
+    # Tasks resumed at startup, by id: the event set once the task before it on its context has
+    # queued for the turn lock, and the one this task sets when it has. So the turns of one
+    # context are taken in the order their tasks were created, as they would have been.
+    _in_line: dict[str, tuple[trio.Event | None, trio.Event]] = attrs.field(init=False, factory=dict)
     _stopping: trio.Event = attrs.field(init=False, factory=trio.Event)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
     _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -353,6 +357,7 @@ class Runner:
         called, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
         task = live.task
         session = Session.open(task.context_id, self.sessions)
+        await self._wait_in_line(task.id)
         async with self.sessions.turn_lock(task.context_id):
             # The first turn of a context minted for this task has nothing stored to read. (Only
             # the reply to this task's send names that context, and this run takes the lock in
@@ -396,13 +401,32 @@ class Runner:
 
         return complete
 
+    async def _wait_in_line(self, task_id: str) -> None:
+        """For a task resumed at startup: wait until the one before it on its context has queued
+        for the turn lock. Then this one queues, in the same step as it returns (taking a lock
+        does not pass through the scheduler before it queues), so the next one queues behind."""
+        line = self._in_line.pop(task_id, None)
+        if line is None:
+            return
+        ahead, queued = line
+        try:
+            if ahead is not None:
+                await ahead.wait()
+        finally:
+            queued.set()  # cancelled while waiting too: the tasks behind it must not wait forever
+
     async def _adopt_orphans(self) -> None:
-        """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left hanging."""
-        for record in await self.tasks.unfinished():
+        """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left
+        hanging. Those of one context take their turns in the order they were created."""
+        last_in_line: dict[str, trio.Event] = {}
+        for record in await self.tasks.unfinished():  # oldest first
             task = decode(record)
             live = self._live_task(record.owner, task, record.version)
             if self.config.orphans == "resume":
                 logger.info("resuming task %s left %s by a process that stopped", task.id, task.status.state.value)
+                queued = trio.Event()
+                self._in_line[task.id] = (last_in_line.get(task.context_id), queued)
+                last_in_line[task.context_id] = queued
                 self._start(live)
                 continue
             reason = "The process running this task stopped before it finished; send the message again."

@@ -30,8 +30,8 @@ DEADLINE_S = 10.0
 QUESTION = "Is the deploy done?"
 
 
-def question() -> Message:
-    return Message(message_id=new_id(), role=Role.USER, parts=(TextPart(QUESTION),))
+def question(text: str = QUESTION) -> Message:
+    return Message(message_id=new_id(), role=Role.USER, parts=(TextPart(text),))
 
 
 OpenTasks = Callable[[Path], AbstractAsyncContextManager[SqliteTaskStore]]
@@ -55,12 +55,17 @@ async def runner_over(
 
 
 async def left_by_a_dead_process(
-    state: Path, state_left: TaskState, transcript: Callable[[str], Sequence[Transcribed]], *, context_id: str = "ctx-1"
+    state: Path,
+    state_left: TaskState,
+    transcript: Callable[[str], Sequence[Transcribed]],
+    *,
+    context_id: str = "ctx-1",
+    text: str = QUESTION,
 ) -> str:
     """Store a task and its session as a process that died mid-turn leaves them; its id."""
     state.mkdir(parents=True, exist_ok=True)
     task = Task(
-        id=new_id(), context_id=context_id, status=TaskStatus(state=state_left, timestamp=now()), history=(question(),)
+        id=new_id(), context_id=context_id, status=TaskStatus(state=state_left, timestamp=now()), history=(question(text),)
     )  # fmt: skip
     async with open_session_store(state / "runtime.db") as sessions, open_task_store(state / "tasks.db") as tasks:
         await tasks.create(
@@ -201,3 +206,26 @@ async def test_a_working_state_that_cannot_be_stored_fails_the_task_before_the_m
             settled = await runner.wait_settled(ANONYMOUS, task.id)
     assert settled.status.state is TaskState.FAILED
     assert fake_model.bodies == []
+
+
+async def test_unfinished_turns_of_one_context_are_resumed_in_the_order_their_tasks_were_made(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    import sqlite3
+
+    # The scheduler starts the resumed runs in either order; four starts make a lucky pass of a
+    # runner that does not keep the order one in sixteen.
+    for start in range(4):
+        state = tmp_path / f"start-{start}"
+        first = await left_by_a_dead_process(state, TaskState.SUBMITTED, lambda _: [], text="Roll back the deploy.")
+        second = await left_by_a_dead_process(state, TaskState.SUBMITTED, lambda _: [], text="Then page the owner.")
+        with sqlite3.connect(state / "tasks.db") as conn:  # made a millisecond apart, as two sends would be
+            conn.execute("UPDATE tasks SET created_at_ms = created_at_ms + 1 WHERE id = ?", (second,))
+        conn.close()
+        fake_model.script = [Reply(text="Rolled back."), Reply(text="Paged.")]
+        async with runner_over(state, fake_model) as (runner, sessions, _):
+            with trio.fail_after(DEADLINE_S):
+                assert (await runner.wait_settled(ANONYMOUS, first)).status.state is TaskState.COMPLETED
+                assert (await runner.wait_settled(ANONYMOUS, second)).status.state is TaskState.COMPLETED
+            stored = [m.text for m in await sessions.messages("ctx-1")]
+        assert stored == ["Roll back the deploy.", "Rolled back.", "Then page the owner.", "Paged."], start
