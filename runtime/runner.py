@@ -441,8 +441,8 @@ def _answered(turn: list[Transcribed]) -> bool:
 
 def _turn_of(messages: list[Transcribed], task_id: str) -> list[Transcribed]:
     """The task's turn in the transcript: from the question it saved up to the next turn's
-    question (there is one only if unfinished turns were resumed out of order); empty if its
-    question was never saved."""
+    question (a later turn can follow one whose end could not be stored, which is resumed at the
+    next start); empty if its question was never saved."""
     for start in range(len(messages) - 1, -1, -1):
         if messages[start].turn_id == task_id:
             end = start + 1

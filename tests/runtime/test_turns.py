@@ -124,11 +124,11 @@ async def test_a_turn_whose_process_died_after_saving_its_answer_completes_witho
 
 
 async def test_a_later_turns_answer_is_never_taken_for_an_unfinished_turns_own(tmp_path: Path, fake_model: FakeModel) -> None:
-    # Two turns of one context were unfinished when a process died, and the later one was
-    # resumed (and answered) first: the earlier one's question is followed by the later turn.
+    # The task's run ended but its end could not be stored (it stayed WORKING), and a later turn
+    # of the conversation went on: its question is followed by that later turn.
     task_id = await left_by_a_dead_process(
         tmp_path,
-        TaskState.SUBMITTED,
+        TaskState.WORKING,
         lambda task_id: [
             Transcribed(role="user", text=QUESTION, turn_id=task_id),
             Transcribed(role="user", text="And the rollback?", turn_id="a-later-task"),
