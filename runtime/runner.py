@@ -20,7 +20,6 @@ from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
     DEFAULT_PAGE_SIZE,
-    END_NOT_STORED,
     Artifact,
     ContextMismatch,
     EndNotStored,
@@ -344,7 +343,7 @@ class Runner:
                 await live.persist(self.tasks, _unless_settled(final))
             except (store_errors.StoreError, TimeoutError) as exc:
                 logger.error("task %s: its final state could not be stored: %s", live.task.id, exc)
-                live.close(StreamCut(live.task.id, END_NOT_STORED))
+                live.close(end_stored=False)
             live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]

@@ -18,6 +18,7 @@ import persistence.errors as store_errors
 from persistence.api import TaskRecord, TaskStore
 from persistence.locks import holding
 from protocol import (
+    END_NOT_STORED,
     Message,
     ProtocolError,
     ProtocolVersion,
@@ -186,12 +187,15 @@ class LiveTask:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._drop(receive)
 
-    def close(self, cut: StreamCut | None = None) -> None:
+    def close(self, *, end_stored: bool = True) -> None:
         """The task has settled: end every subscription after what was already sent. The run may
-        still be ending (saving a partial answer); nothing it publishes now is sent. ``cut``
-        ends each subscription instead, when the task's end could not be announced."""
-        if cut is not None:
+        still be ending (saving a partial answer); nothing it publishes now is sent. With
+        ``end_stored=False`` (the run's final state could not be written) each subscription ends
+        instead with a StreamCut saying so, and a blocking send is told the same (EndNotStored)."""
+        cut = None
+        if not end_stored:
             self.end_stored = False
+            cut = StreamCut(self.task.id, END_NOT_STORED)
         self.settled.set()
         for receive in list(self._subscribers):
             self._drop(receive, cut)
