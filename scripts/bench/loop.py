@@ -13,6 +13,12 @@ store on a temporary file). Prints one JSON object as its last line:
 - ``cancel_latency_ms_p99``: from ``cancel()`` to the run having exited, for runs blocked in a
   model stream that had already sent some text (so the partial answer is saved as it exits),
   over ``--cancels`` runs with a FULL session; also with no session.
+- the floor under a step, measured in the same run: ``commit_floor_us`` (FULL; also NORMAL), the
+  median of plain sqlite3 in one thread inserting a step's two events and committing, with the
+  store's own settings and table; ``thread_round_trip_us``, the median of a call that does
+  nothing, made through a store's database thread and back; and ``step_floor_us``, their sum
+  plus the step with no session: what a step that saves before every model request would cost
+  if the store added nothing to the commit and the hand-off.
 
     python scripts/bench/loop.py [--runs N] [--steps N] [--cancels N]
 """
@@ -32,7 +38,8 @@ import trio
 from instant_model import ARGUMENTS, InstantModel
 
 from persistence.session import Session
-from persistence.sessions import open_session_store
+from persistence.sessions import SESSIONS_SCHEMA, open_session_store
+from persistence.sqlite import SqlitePool, connect, migrate
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentEvent, AgentRun, AgentSpec, StepStarted, TextDelta, Tool
 
@@ -108,6 +115,14 @@ async def cancel_latencies(store: Any, runs: int) -> list[float]:
     return latencies
 
 
+def step_messages(n: int) -> list[Message]:
+    """What one step adds to the transcript: the model's tool call and the tool's result."""
+    return [
+        Message(role="assistant", text="Looking at the vault lease. ", tool_calls=[ToolCall(f"call_{n}", "lookup", ARGUMENTS)]),
+        Message(role="tool", text="vault: lease TTL 24h, last renewed 25h ago", tool_call_id=f"call_{n}", name="lookup"),
+    ]
+
+
 async def store_round_trips(store: Any, count: int) -> list[float]:
     """Seconds for what the store alone does each step: save one more step and take the steers
     in one call, as the loop does (one transaction). The loop's own share is the rest."""
@@ -115,14 +130,52 @@ async def store_round_trips(store: Any, count: int) -> list[float]:
     transcript = list(QUESTION)
     durations = []
     for n in range(count):
-        transcript += [
-            Message(role="assistant", text="Looking at the vault lease. ", tool_calls=[ToolCall(f"call_{n}", "lookup", ARGUMENTS)]),
-            Message(role="tool", text="vault: lease TTL 24h, last renewed 25h ago", tool_call_id=f"call_{n}", name="lookup"),
-        ]
+        transcript += step_messages(n)
         start = time.perf_counter()
         await session.save_and_take_steers(transcript)
         durations.append(time.perf_counter() - start)
     return durations
+
+
+def commit_floor(path: Path, synchronous: str, count: int) -> float:
+    """Median seconds for plain sqlite3, in this thread, to insert a step's two events (the
+    same contents the loop saves) and commit: the disk's and SQLite's share of a step."""
+    contents = [message.to_json() for message in step_messages(0)]
+    conn = connect(path, synchronous=synchronous)
+    try:
+        migrate(path, conn, SESSIONS_SCHEMA)
+        conn.execute("INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES ('floor', 'keel', '', 0, 0)")
+        durations = []
+        for n in range(count):
+            start = time.perf_counter()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(
+                "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES ('floor', ?, 'agent', 0, ?)",
+                [(2 * n + i, content) for i, content in enumerate(contents)],
+            )
+            conn.execute("COMMIT")
+            durations.append(time.perf_counter() - start)
+    finally:
+        conn.close()
+    return statistics.median(durations)
+
+
+def _nothing(_conn: object) -> None:
+    return None
+
+
+async def thread_round_trip(path: Path, count: int) -> float:
+    """Median seconds of a call that does nothing, through a store's database thread and back."""
+    pool = await SqlitePool.open(path, SESSIONS_SCHEMA)
+    try:
+        durations = []
+        for _ in range(count):
+            start = time.perf_counter()
+            await pool.run(_nothing)
+            durations.append(time.perf_counter() - start)
+    finally:
+        await pool.aclose()
+    return statistics.median(durations)
 
 
 def p99(values: list[float]) -> float:
@@ -140,6 +193,10 @@ async def measure(tmp: Path, runs: int, steps: int, cancels: int) -> dict[str, A
                 results["cancel"] = await cancel_latencies(store, cancels)
     durations, wall = await time_steps(None, runs, steps, "none")
     results["none"] = (statistics.median(durations), runs * steps / wall)
+    count = runs * steps // 2
+    for synchronous in ("FULL", "NORMAL"):
+        results[f"floor-{synchronous}"] = await trio.to_thread.run_sync(commit_floor, tmp / f"floor-{synchronous}.db", synchronous, count)
+    results["hop"] = await thread_round_trip(tmp / "hop.db", count)
     results["cancel_none"] = await cancel_latencies(None, cancels)
     return results
 
@@ -168,6 +225,10 @@ def main() -> None:
         "steps_per_s_normal": round(r["NORMAL"][1]),
         "step_overhead_us_no_session": round(r["none"][0] * 1e6, 1),
         "steps_per_s_no_session": round(r["none"][1]),
+        "commit_floor_us": round(r["floor-FULL"] * 1e6, 1),
+        "commit_floor_us_normal": round(r["floor-NORMAL"] * 1e6, 1),
+        "thread_round_trip_us": round(r["hop"] * 1e6, 1),
+        "step_floor_us": round((r["floor-FULL"] + r["hop"] + r["none"][0]) * 1e6, 1),
         "cancel_latency_ms_median": round(statistics.median(r["cancel"]) * 1e3, 3),
         "cancel_latency_ms_p99_no_session": round(p99(r["cancel_none"]) * 1e3, 3),
         "cancel_runs": args.cancels,

@@ -1,0 +1,52 @@
+"""scripts/bench/store.py and loop.py on tiny inputs: each runs, and reports every figure it names."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(script: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench" / script), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return report
+
+
+def positive(report: dict[str, Any], *fields: str) -> None:
+    for field in fields:
+        value = report[field]
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (field, value)
+
+
+def test_the_store_benchmark_reports_its_ratio_and_growth() -> None:
+    report = run_bench("store.py", "--seconds", "0.1", "--rounds", "1", "--samples", "5")
+    positive(
+        report, "appends_per_s", "raw_sqlite_batched_per_s", "ratio_vs_raw",
+        "append_us_at_10_events", "append_us_at_10000_events", "growth_ratio",
+    )  # fmt: skip
+    # One round: the ratio is that round's own, store over raw.
+    assert abs(report["ratio_vs_raw"] - report["appends_per_s"] / report["raw_sqlite_batched_per_s"]) < 0.002
+    assert abs(report["growth_ratio"] - report["append_us_at_10000_events"] / report["append_us_at_10_events"]) < 0.002
+    assert report["synchronous"] == "FULL"
+
+
+def test_the_loop_benchmark_reports_steps_cancels_and_the_floor_under_a_step() -> None:
+    report = run_bench("loop.py", "--runs", "2", "--steps", "3", "--cancels", "200")
+    positive(
+        report, "step_overhead_us", "steps_per_s", "cancel_latency_ms_p99", "step_overhead_us_normal",
+        "step_overhead_us_no_session", "store_round_trip_us", "commit_floor_us", "commit_floor_us_normal",
+        "thread_round_trip_us", "step_floor_us",
+    )  # fmt: skip
+    assert report["cancel_runs"] == 200
+    assert report["step_floor_us"] > report["commit_floor_us"] + report["thread_round_trip_us"]
+    assert isinstance(report["meets_step_target"], bool) and isinstance(report["meets_cancel_target"], bool)
