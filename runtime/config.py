@@ -95,6 +95,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
     Setting("orphans", "AGENT_ORPHANS", _orphans, "--orphans", "what to do with tasks a dead process left running: resume or fail"),
+    Setting(
+        "send_timeout_s", "AGENT_SEND_TIMEOUT_S", _positive_float, "--send-timeout-s",
+        "how long a client may take none of what it is sent before its connection is closed",
+    ),  # fmt: skip
 )
 
 
@@ -109,6 +113,7 @@ class Config:
     drain_timeout_s: float = 10.0
     max_model_calls: int = 12
     orphans: str = "resume"
+    send_timeout_s: float = 30.0
     cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state
 
     @classmethod

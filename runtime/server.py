@@ -16,6 +16,7 @@ HTTP and the stores.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +26,7 @@ import attrs
 import hypercorn
 import hypercorn.trio
 import trio
+from hypercorn.config import Sockets
 
 from persistence.recovery import hold_state_dir
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore
@@ -165,8 +167,37 @@ async def _model_clients(config: Config, in_process: InProcessModel | None) -> A
         yield model, catalog
 
 
+class _HttpConfig(hypercorn.Config):
+    """hypercorn's settings, and one it lacks: a client that takes none of what it is sent for
+    ``send_timeout_s`` loses its connection.
+
+    hypercorn writes to a client shielded from cancellation and with no time limit, so a client
+    that stops reading a stream, once the sockets' buffers are full, would hold its request, and
+    a shutdown waiting for that request, for as long as it stays connected. TCP_USER_TIMEOUT, set
+    on the listening socket and inherited by every connection accepted from it, has the kernel
+    close a connection whose data has gone unacknowledged (or whose receive window has stayed
+    shut) that long; the blocked write then fails and hypercorn ends the request. A client that
+    reads slowly but reads is unaffected, and so is an idle keep-alive connection.
+    """
+
+    send_timeout_s: float = 30.0
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            if not hasattr(socket, "TCP_USER_TIMEOUT"):
+                logger.warning("this platform has no TCP_USER_TIMEOUT: a client that stops reading keeps its connection")
+                break
+            milliseconds = min(max(1, round(self.send_timeout_s * 1000)), 2**31 - 1)  # what the option holds
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
+        return sockets
+
+
 def _http_config(config: Config) -> hypercorn.Config:
-    http = hypercorn.Config()
+    http = _HttpConfig()
+    http.send_timeout_s = config.send_timeout_s
     http.bind = [f"{config.host}:{config.port}"]
     http.accesslog = None
     http.errorlog = logging.getLogger("hypercorn.error")  # through our logging, printed once

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -123,3 +124,32 @@ async def test_sigterm_drains_the_running_task_then_exits_zero(
         await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
         assert await keel.terminate() == 0
     assert stored_task(state, task_id)[0] == settled  # type: ignore[index]
+
+
+async def test_sigterm_stops_the_server_while_a_client_has_stopped_reading_its_stream(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # hypercorn's writes are shielded and unbounded: once the sockets between server and client
+    # are full (this answer streams far more than they hold), only the send timeout, which has
+    # the kernel close the connection, frees the request that SIGTERM's shutdown waits for.
+    fake_model.script = [Reply(text="x" * 400_000, chunk_chars=32)]
+    state = tmp_path / "state"
+    async with keel_process(state, fake_model.base_url, "--send-timeout-s", "2") as keel:
+        url = urlsplit(keel.url)
+        body = json.dumps(
+            {"jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage", "params": {"message": user_message("go")}}
+        ).encode()
+        request = (
+            f"POST {url.path or '/'} HTTP/1.1\r\nHost: {url.netloc}\r\nA2A-Version: 1.0\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+        stalled = await trio.open_tcp_stream(url.hostname, url.port)
+        await stalled.send_all(request)
+        first = b""
+        while b"\n\n" not in first.partition(b"data: ")[2]:  # the stream's first event, the task
+            first += await stalled.receive_some(65536)
+        # From here on the client reads nothing.
+        task_id = json.loads(first.partition(b"data: ")[2].split(b"\n", 1)[0])["result"]["task"]["id"]
+        await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"], deadline_s=60)
+        assert await keel.terminate() == 0  # within the harness's bound; it hung before
+        await stalled.aclose()

@@ -17,6 +17,7 @@ def test_config_defaults_match_a_local_ollama() -> None:
     assert (config.host, config.port, config.state_dir) == ("127.0.0.1", 8080, Path(".state"))
     assert (config.model_base_url, config.model) == ("http://127.0.0.1:11434/v1", "qwen3:4b-instruct")
     assert (config.drain_timeout_s, config.max_model_calls, config.orphans) == (10.0, 12, "resume")
+    assert config.send_timeout_s == 30.0
 
 
 def test_config_flags_override_their_environment_variables() -> None:
@@ -33,13 +34,17 @@ def test_config_reports_every_problem_at_once_and_hides_secrets() -> None:
         "AGENT_MODEL_BASE_URL": "ftp://models",
         "AGENT_MODEL_API_KEY": " ",
         "AGENT_MODLE": "typo",
+        "AGENT_SEND_TIMEOUT_S": "0",
     }
     with pytest.raises(ConfigError) as caught:
         Config.load(env)
     problems = caught.value.problems
-    assert len(problems) == 6
+    assert len(problems) == 7
     text = str(caught.value)
-    for words in ("AGENT_PORT='eighty'", "AGENT_DRAIN_TIMEOUT_S", "resume, fail", "http:// or https://", "did you mean AGENT_MODEL?"):
+    for words in (
+        "AGENT_PORT='eighty'", "AGENT_DRAIN_TIMEOUT_S", "AGENT_SEND_TIMEOUT_S='0'", "resume, fail", "http:// or https://",
+        "did you mean AGENT_MODEL?",
+    ):  # fmt: skip
         assert words in text
     assert "AGENT_MODEL_API_KEY=(hidden)" in text
 
