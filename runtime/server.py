@@ -10,7 +10,9 @@
 
 Shutdown (``shutdown`` set, e.g. by SIGTERM): refuse new tasks and answer /healthz unready, give
 runs ``drain_timeout_s`` to finish, cancel the rest (each writes its terminal state), then close
-HTTP and the stores.
+HTTP and the stores. Cancelled instead (the CLI's answer to a second signal), the runs are cut
+short at once and still write their terminal states: the stores' writers are shielded from the
+cancellation and close only after the runner has stopped, each wait bounded.
 """
 
 from __future__ import annotations
@@ -106,14 +108,16 @@ async def _serve_in(
     state_dir = config.state_dir
     sessions = await SqliteSessionStore.open(state_dir / SESSIONS_FILE)  # step 5
     tasks = await SqliteTaskStore.open(state_dir / TASKS_FILE)
+    writers: list[trio.CancelScope] = []
+    runner: Runner | None = None
     try:
-        await nursery.start(sessions.run)
-        await nursery.start(tasks.run)
+        await nursery.start(_outliving_cancellation, sessions, writers)
+        await nursery.start(_outliving_cancellation, tasks, writers)
         async with _model_clients(config, in_process) as (model, catalog):
             runner_config = RunnerConfig(
                 orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s
             )
-            runner: Runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
+            runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
             readiness = Readiness()
             health = Health(
                 state_dir=state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping
@@ -148,9 +152,26 @@ async def _serve_in(
             runner.stop()
             await runner.wait_stopped()
     finally:
+        # Cancelled (a second SIGTERM), the runs are cut short at once, but each still records
+        # its end: the stores' writers stay up until the runner has stopped, then close.
+        if runner is not None:
+            with trio.move_on_after(config.cleanup_timeout_s, shield=True):
+                await runner.wait_stopped()
         with trio.move_on_after(config.cleanup_timeout_s, shield=True):
             await tasks.aclose()
             await sessions.aclose()
+        for scope in writers:  # what the bound left running
+            scope.cancel()
+
+
+async def _outliving_cancellation(
+    store: SqliteSessionStore | SqliteTaskStore, scopes: list[trio.CancelScope], *, task_status: trio.TaskStatus[object]
+) -> None:
+    """Run ``store``'s writer shielded from the server's cancellation: it stops when the store
+    is closed, or when its scope (added to ``scopes``) is cancelled."""
+    with trio.CancelScope(shield=True) as scope:
+        scopes.append(scope)
+        await store.run(task_status=task_status)
 
 
 @asynccontextmanager

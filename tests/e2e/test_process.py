@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -153,3 +154,27 @@ async def test_sigterm_stops_the_server_while_a_client_has_stopped_reading_its_s
         await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"], deadline_s=60)
         assert await keel.terminate() == 0  # within the harness's bound; it hung before
         await stalled.aclose()
+
+
+async def test_a_second_sigterm_stops_at_once_and_the_cut_run_is_recorded_canceled(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [Reply(text="never done", hang_after_chunks=1)]
+    state = tmp_path / "state"
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        keel_process(state, fake_model.base_url, "--drain-timeout-s", "600") as keel,
+    ):
+        sent = await rpc(
+            client, keel.url, "SendMessage", {"message": user_message("go"), "configuration": {"returnImmediately": True}}
+        )
+        task_id = sent["result"]["task"]["id"]
+        await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+        keel.process.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            while b"shutting down" not in keel.output:  # the first signal has started the drain
+                await trio.sleep(0.01)
+        start = trio.current_time()
+        assert await keel.terminate() == 0  # the second: the drain's 600 s are not waited out
+        assert trio.current_time() - start < 10
+    assert stored_task(state, task_id)[0] == "TASK_STATE_CANCELED"  # type: ignore[index]
