@@ -83,10 +83,18 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     try:
         trio.run(functools.partial(_main, config, **options))
     except* (StoreError, OSError) as group:  # startup refused: say why, no traceback
-        failures.extend(group.exceptions)
+        failures.extend(_leaves(group))
     for exc in failures:
         print(f"error: {exc}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions in a group, however deep the nurseries nested them."""
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
 
 
 async def _main(config: Config, **options: Any) -> None:

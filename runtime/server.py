@@ -17,6 +17,7 @@ cancellation and close only after the runner has stopped, each wait bounded.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -188,6 +189,13 @@ async def _model_clients(config: Config, in_process: InProcessModel | None) -> A
         yield model, catalog
 
 
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: "another process listens there: choose another --port (AGENT_PORT), or 0 for any free one",
+    errno.EADDRNOTAVAIL: "this machine has no such address: choose another --host (AGENT_HOST)",
+    errno.EACCES: "this user may not listen there (ports below 1024 need privileges): choose another --port (AGENT_PORT)",
+}
+
+
 class _HttpConfig(hypercorn.Config):
     """hypercorn's settings, and one it lacks: a client that takes none of what it is sent for
     ``send_timeout_s`` loses its connection.
@@ -204,7 +212,11 @@ class _HttpConfig(hypercorn.Config):
     send_timeout_s: float = 30.0
 
     def create_sockets(self) -> Sockets:
-        sockets = super().create_sockets()
+        try:
+            sockets = super().create_sockets()
+        except OSError as exc:
+            hint = _LISTEN_HINTS.get(exc.errno or 0, "check --host (AGENT_HOST) and --port (AGENT_PORT)")
+            raise OSError(f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}; {hint}") from exc
         for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
             if sock.family not in (socket.AF_INET, socket.AF_INET6):
                 continue

@@ -178,3 +178,13 @@ async def test_a_second_sigterm_stops_at_once_and_the_cut_run_is_recorded_cancel
         assert await keel.terminate() == 0  # the second: the drain's 600 s are not waited out
         assert trio.current_time() - start < 10
     assert stored_task(state, task_id)[0] == "TASK_STATE_CANCELED"  # type: ignore[index]
+
+
+async def test_serve_on_a_port_in_use_says_so_and_what_to_do(tmp_path: Path, fake_model: FakeModel) -> None:
+    async with keel_process(tmp_path / "first", fake_model.base_url) as keel:
+        port = str(urlsplit(keel.url).port)
+        second = await run_serve_to_exit(tmp_path / "second", fake_model.base_url, "--port", port)
+    assert second.returncode == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}: " in second.stderr
+    assert "choose another --port (AGENT_PORT), or 0 for any free one" in second.stderr
+    assert "Traceback" not in second.stderr and "ExceptionGroup" not in second.stderr and "nursery" not in second.stderr
