@@ -207,6 +207,8 @@ class _HttpConfig(hypercorn.Config):
     close a connection whose data has gone unacknowledged (or whose receive window has stayed
     shut) that long; the blocked write then fails and hypercorn ends the request. A client that
     reads slowly but reads is unaffected, and so is an idle keep-alive connection.
+
+    An address it cannot listen on is an OSError naming the address and what to change.
     """
 
     send_timeout_s: float = 30.0

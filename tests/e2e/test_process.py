@@ -144,16 +144,15 @@ async def test_sigterm_stops_the_server_while_a_client_has_stopped_reading_its_s
             f"POST {url.path or '/'} HTTP/1.1\r\nHost: {url.netloc}\r\nA2A-Version: 1.0\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode() + body
-        stalled = await trio.open_tcp_stream(url.hostname, url.port)
-        await stalled.send_all(request)
-        first = b""
-        while b"\n\n" not in first.partition(b"data: ")[2]:  # the stream's first event, the task
-            first += await stalled.receive_some(65536)
-        # From here on the client reads nothing.
-        task_id = json.loads(first.partition(b"data: ")[2].split(b"\n", 1)[0])["result"]["task"]["id"]
-        await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"], deadline_s=60)
-        assert await keel.terminate() == 0  # within the harness's bound; it hung before
-        await stalled.aclose()
+        async with await trio.open_tcp_stream(url.hostname, url.port) as stalled:
+            await stalled.send_all(request)
+            first = b""
+            while b"\n\n" not in first.partition(b"data: ")[2]:  # the stream's first event, the task
+                first += await stalled.receive_some(65536)
+            # From here on the client reads nothing.
+            task_id = json.loads(first.partition(b"data: ")[2].split(b"\n", 1)[0])["result"]["task"]["id"]
+            await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"], deadline_s=60)
+            assert await keel.terminate() == 0  # within the harness's bound; it hung before
 
 
 async def test_a_second_sigterm_stops_at_once_and_the_cut_run_is_recorded_canceled(
