@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from fake_model import FakeModel, Reply
 
 from runtime.runner import ANONYMOUS
@@ -143,6 +144,60 @@ async def test_a_context_that_contradicts_the_task_is_invalid_params(keel: Serve
 async def test_send_to_an_unknown_task_is_task_not_found(keel: Served, version: str | None) -> None:
     error = await keel.error(SEND[version], send_params("x", version, taskId="no-such-task"), version=version)
     check_error(error, -32001, version, "TASK_NOT_FOUND")
+
+
+# -- turns ------------------------------------------------------------------------------------
+
+
+async def test_a_second_turn_of_a_context_waits_submitted_until_the_first_has_answered(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="The queue is drained."), Reply(text="It was a stuck consumer.")]
+    first = await keel.send("Drain the queue", blocking=False)
+    await keel.gate.wait_entered()
+    second = await keel.send("Why did it back up?", blocking=False, contextId=first["contextId"])
+    await trio.testing.wait_all_tasks_blocked()
+    assert (await keel.result("GetTask", {"id": second["id"]}))["status"]["state"] == "TASK_STATE_SUBMITTED"
+    assert len(keel.model.bodies) == 1  # only the first turn has asked the model
+    keel.gate.opened.set()
+    with trio.fail_after(DEADLINE_S):
+        assert (await keel.runner.wait_settled(ANONYMOUS, second["id"])).status.state.value == "completed"
+    assert (await keel.result("GetTask", {"id": first["id"]}))["status"]["state"] == "TASK_STATE_COMPLETED"
+    stored = [(m.role, m.text) for m in await keel.sessions.messages(first["contextId"]) if m.role != "tool"]
+    assert stored == [
+        ("user", "Drain the queue"), ("assistant", ""), ("assistant", "The queue is drained."),  # "" : the gate's call
+        ("user", "Why did it back up?"), ("assistant", "It was a stuck consumer."),
+    ]  # fmt: skip
+    asked = [m.get("content") for m in keel.model.bodies[2]["messages"]]
+    assert asked.index("The queue is drained.") < asked.index("Why did it back up?")  # the second turn saw the first's answer
+
+
+async def test_turns_of_different_contexts_run_at_the_same_time(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Staging is fine."), Reply(text="The queue is drained.")]
+    first = await keel.send("Drain the queue", blocking=False)
+    await keel.gate.wait_entered()
+    other = await keel.send("Is staging up?")  # another context: answered while the first still works
+    assert other["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert (await keel.result("GetTask", {"id": first["id"]}))["status"]["state"] == "TASK_STATE_WORKING"
+    keel.gate.opened.set()
+    with trio.fail_after(DEADLINE_S):
+        assert (await keel.runner.wait_settled(ANONYMOUS, first["id"])).status.state.value == "completed"
+
+
+async def test_cancelling_a_turn_that_waits_for_its_context_never_asks_the_model(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="The queue is drained."), Reply(text="Nothing else.")]
+    first = await keel.send("Drain the queue", blocking=False)
+    await keel.gate.wait_entered()
+    waiting = await keel.send("Then restart the workers", blocking=False, contextId=first["contextId"])
+    canceled = await keel.result("CancelTask", {"id": waiting["id"]})
+    assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+    keel.gate.opened.set()
+    with trio.fail_after(DEADLINE_S):
+        assert (await keel.runner.wait_settled(ANONYMOUS, first["id"])).status.state.value == "completed"
+    after = await keel.send("Anything else?", contextId=first["contextId"])  # the context goes on
+    assert after["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert len(keel.model.bodies) == 3
+    texts = [m.text for m in await keel.sessions.messages(first["contextId"])]
+    assert "Then restart the workers" not in texts  # the canceled turn never began
+    assert (await keel.result("GetTask", {"id": waiting["id"]}))["status"]["state"] == "TASK_STATE_CANCELED"
 
 
 # -- steer ------------------------------------------------------------------------------------
