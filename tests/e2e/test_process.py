@@ -99,6 +99,29 @@ async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(t
     assert [m.get("content") for m in fake_model.bodies[-1]["messages"] if m["role"] == "user"] == ["Tell me slowly."]
 
 
+async def test_with_orphans_fail_a_task_left_working_by_a_sigkill_is_failed_with_the_reason(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [Reply(text="never done", hang_after_chunks=1)]
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url) as keel:
+            sent = await rpc(
+                client, keel.url, "SendMessage", {"message": user_message("go"), "configuration": {"returnImmediately": True}}
+            )
+            task_id = sent["result"]["task"]["id"]
+            await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+            assert await keel.kill() == -9
+        asked = len(fake_model.bodies)
+        async with keel_process(state, fake_model.base_url, "--orphans", "fail") as keel:
+            assert await wait_stored_state(state, task_id, ["TASK_STATE_FAILED"]) == "TASK_STATE_FAILED"
+            got = await rpc(client, keel.url, "GetTask", {"id": task_id})
+            said = got["result"]["status"]["message"]["parts"][0]["text"]
+            assert "stopped before it finished" in said and "send the message again" in said
+            assert await keel.terminate() == 0
+    assert len(fake_model.bodies) == asked  # failed, not resumed: the model was not asked again
+
+
 @pytest.mark.parametrize(
     ("reply", "drain_timeout_s", "settled"),
     [
