@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import trio
 import trio.testing
-from fake_model import FakeModel, Reply
+from fake_model import ErrorReply, FakeModel, Reply
 
 from runtime.runner import ANONYMOUS
 from runtime.surface import SurfaceConfig
@@ -144,6 +145,17 @@ async def test_a_context_that_contradicts_the_task_is_invalid_params(keel: Serve
 async def test_send_to_an_unknown_task_is_task_not_found(keel: Served, version: str | None) -> None:
     error = await keel.error(SEND[version], send_params("x", version, taskId="no-such-task"), version=version)
     check_error(error, -32001, version, "TASK_NOT_FOUND")
+
+
+async def test_a_model_that_fails_fails_the_task_with_words_that_name_nothing_of_the_provider(keel: Served) -> None:
+    keel.model.script = [ErrorReply(400, body='{"error": {"message": "quota for org-7731 exhausted, key sk-live-5150"}}')]
+    task = await keel.send("Why is checkout slow?")
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    said = task["status"]["message"]["parts"][0]["text"]
+    assert said.startswith("The task failed: ")
+    for secret in ("org-7731", "sk-live", "quota", str(urlsplit(keel.model.base_url).port)):
+        assert secret not in said, said
+    assert (await keel.result("GetTask", {"id": task["id"]}))["status"] == task["status"]
 
 
 # -- turns ------------------------------------------------------------------------------------
