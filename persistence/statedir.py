@@ -5,12 +5,14 @@ A *generation* is the set of live state files: every visible ``*.db`` in the dir
 behind while it works starts with ``.restore-``; the lock files start with ``.keel`` and are never
 part of a generation or of the residue.
 
-Two ``fcntl.flock`` locks guard the directory:
+Three ``fcntl.flock`` locks guard the directory:
 
 * ``.keel-generation.lock`` (exclusive, blocking) serializes everything that reads a whole
   generation or replaces one: snapshot, restore, recovery, reset, and a server while it starts.
-* ``.keel.lock`` is held *shared* by every process that serves the state (several may), and taken
-  *exclusively without waiting* by restore and reset, which refuse while anyone holds it.
+* ``.keel.lock`` is held *shared* by every process that uses the live state (several may), and
+  taken *exclusively without waiting* by restore and reset, which refuse while anyone holds it.
+* ``.keel-serve.lock`` is taken *exclusively without waiting* by the server: one per directory.
+  A second would take the first's running tasks for ones a dead process left, and run them again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import attrs
 from persistence.errors import StoreError
 
 USE_LOCK_NAME = ".keel.lock"
+SERVE_LOCK_NAME = ".keel-serve.lock"
 GENERATION_LOCK_NAME = ".keel-generation.lock"
 RESIDUE_PREFIX = ".restore-"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
@@ -52,6 +55,15 @@ class StateBusy(StateError):
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         super().__init__(f"the state directory {state_dir} is in use by a running process; stop it first")
+
+
+class AlreadyServed(StateError):
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        super().__init__(
+            f"another Keel server is serving the state directory {state_dir}; stop it first, or give this one"
+            " another --state-dir (a SQLite state directory has one server; replicas share PostgreSQL)"
+        )
 
 
 class SnapshotError(StateError):
@@ -213,12 +225,17 @@ def generation_lock(state_dir: Path) -> Iterator[None]:
 
 def acquire_use(state_dir: Path, *, exclusive: bool) -> int:
     """Take ``.keel.lock`` without waiting and return its descriptor; raises StateBusy when held."""
-    fd = _open_lock_file(state_dir, USE_LOCK_NAME)
+    return _lock_now(state_dir, USE_LOCK_NAME, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, StateBusy)
+
+
+def _lock_now(state_dir: Path, name: str, operation: int, busy: type[StateBusy | AlreadyServed]) -> int:
+    """Take the lock file ``name`` without waiting; ``busy(state_dir)`` when another holds it."""
+    fd = _open_lock_file(state_dir, name)
     try:
-        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise StateBusy(state_dir) from None
+        raise busy(state_dir) from None
     except BaseException:
         os.close(fd)
         raise
@@ -227,6 +244,12 @@ def acquire_use(state_dir: Path, *, exclusive: bool) -> int:
 
 def release_use(fd: int) -> None:
     _release(fd)
+
+
+def acquire_serving(state_dir: Path) -> int:
+    """Take ``.keel-serve.lock`` without waiting and return its descriptor (release it with
+    ``release_use``); raises AlreadyServed while another server holds it."""
+    return _lock_now(state_dir, SERVE_LOCK_NAME, fcntl.LOCK_EX, AlreadyServed)
 
 
 @contextmanager

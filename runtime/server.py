@@ -1,7 +1,8 @@
 """The root nursery and its startup order (DESIGN.md, "One process, one nursery").
 
 1. recovery of an interrupted restore (a state it cannot account for stops everything);
-2. the state directory, created only now, and held so that no restore runs under us;
+2. the state directory, created only now, and held so that no restore runs under us and no
+   other server serves it;
 3. preflight, read-only: databases this build cannot use are refused before anything is written;
 4. (the dataset step arrives with the incident agent);
 5. the session and task stores, migrated, with their group-commit writers in this nursery;
@@ -32,6 +33,7 @@ import trio
 from hypercorn.config import Sockets
 
 from persistence.recovery import hold_state_dir
+from persistence.statedir import acquire_serving, release_use
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore
 from persistence.sqlite import inspect
 from persistence.tasks import TASKS_SCHEMA, SqliteTaskStore
@@ -87,9 +89,13 @@ async def serve(
     held = await trio.to_thread.run_sync(hold_state_dir, config.state_dir)  # steps 1 and 2
     logger.info("state %s: %s", config.state_dir, held.outcome)
     try:
-        await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
-        async with trio.open_nursery() as nursery:
-            await _serve_in(nursery, config, agent, model, shutdown, task_status)
+        serving = await trio.to_thread.run_sync(acquire_serving, config.state_dir)  # the only server
+        try:
+            await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
+            async with trio.open_nursery() as nursery:
+                await _serve_in(nursery, config, agent, model, shutdown, task_status)
+        finally:
+            release_use(serving)
     finally:
         held.release()
 

@@ -210,3 +210,25 @@ async def test_serve_on_a_port_in_use_says_so_and_what_to_do(tmp_path: Path, fak
     assert f"error: cannot listen on 127.0.0.1:{port}: " in second.stderr
     assert "choose another --port (AGENT_PORT), or 0 for any free one" in second.stderr
     assert "Traceback" not in second.stderr and "ExceptionGroup" not in second.stderr and "nursery" not in second.stderr
+
+
+async def test_a_second_server_on_the_same_state_directory_is_refused_and_leaves_the_first_ones_tasks_alone(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [Reply(text="never done", hang_after_chunks=1)]
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client, keel_process(state, fake_model.base_url) as keel:
+        sent = await rpc(
+            client, keel.url, "SendMessage", {"message": user_message("go"), "configuration": {"returnImmediately": True}}
+        )
+        task_id = sent["result"]["task"]["id"]
+        await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+        # To a second server this WORKING task would look like one a dead process left.
+        second = await run_serve_to_exit(state, fake_model.base_url)
+        assert second.returncode == 1
+        assert f"error: another Keel server is serving the state directory {state}; stop it first" in second.stderr
+        assert "resuming task" not in second.stderr + second.stdout
+        assert len(fake_model.bodies) == 1  # the first server's run, asked once
+        assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
+        assert await keel.terminate() == 0
+

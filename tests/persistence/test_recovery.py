@@ -12,7 +12,15 @@ import pytest
 
 from persistence.journal import INCOMPLETE, JOURNAL_NAME, parse_journal_file, publish_journal
 from persistence.recovery import RecoveryAction, hold_state_dir, recover
-from persistence.statedir import RecoveryError, StateBusy, encode_document, exclusive_use
+from persistence.statedir import (
+    AlreadyServed,
+    RecoveryError,
+    StateBusy,
+    acquire_serving,
+    encode_document,
+    exclusive_use,
+    release_use,
+)
 from tests.persistence.state_helpers import (
     SESSIONS,
     fingerprint,
@@ -332,6 +340,18 @@ def test_hold_state_dir_recovers_creates_the_directory_and_keeps_restore_out(tmp
             pass
     with exclusive_use(state_dir):
         pass
+
+
+def test_one_server_holds_a_state_directory_and_a_second_is_told_so(tmp_path: Path) -> None:
+    first = acquire_serving(tmp_path)
+    try:
+        with pytest.raises(AlreadyServed, match="another Keel server is serving the state directory"):
+            acquire_serving(tmp_path)
+        with hold_state_dir(tmp_path):  # other users of the live state (a snapshot, say) are not refused
+            pass
+    finally:
+        release_use(first)
+    release_use(acquire_serving(tmp_path))  # free again once the first server is gone
 
 
 def test_hold_state_dir_refuses_planted_incomplete_journal(tmp_path: Path) -> None:
