@@ -62,7 +62,7 @@ class AlreadyServed(StateError):
         self.state_dir = state_dir
         super().__init__(
             f"another Keel server is serving the state directory {state_dir}; stop it first, or give this one"
-            " another --state-dir (a SQLite state directory has one server; replicas share PostgreSQL)"
+            " another --state-dir (a state directory has one server at a time)"
         )
 
 
