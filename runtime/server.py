@@ -225,14 +225,13 @@ class _HttpConfig(hypercorn.Config):
         except OSError as exc:
             hint = _LISTEN_HINTS.get(exc.errno or 0, "check --host (AGENT_HOST) and --port (AGENT_PORT)")
             raise OSError(f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}; {hint}") from exc
+        if not hasattr(socket, "TCP_USER_TIMEOUT"):
+            logger.warning("this platform has no TCP_USER_TIMEOUT: a client that stops reading keeps its connection")
+            return sockets
+        milliseconds = min(max(1, round(self.send_timeout_s * 1000)), 2**31 - 1)  # what the option holds
         for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            if not hasattr(socket, "TCP_USER_TIMEOUT"):
-                logger.warning("this platform has no TCP_USER_TIMEOUT: a client that stops reading keeps its connection")
-                break
-            milliseconds = min(max(1, round(self.send_timeout_s * 1000)), 2**31 - 1)  # what the option holds
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
         return sockets
 
 
