@@ -1,6 +1,11 @@
 """Benchmark: the session store's group-commit appends against plain sqlite3, and save cost
 against transcript length. Prints one JSON object as its last line.
 
+The same run also measures the floor under the store: the least group commit that Trio and one
+database thread can do (a list, a thread, an event per append, the same rows and SQL), with no
+validation, no session bookkeeping and no error handling. ``ratio_vs_floor`` is the store over
+it; ``floor_ratio_vs_raw`` is how near to plain sqlite3 that design can come on this machine.
+
     python scripts/bench/store.py [--seconds S]
 """
 
@@ -10,7 +15,9 @@ import argparse
 import json
 import sqlite3
 import statistics
+import queue
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,19 +53,28 @@ async def store_appends_per_s(path: Path, seconds: float) -> float:
     return count / elapsed
 
 
-def raw_batched_per_s(path: Path, seconds: float) -> float:
+INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, 'agent', ?, ?)"
+
+
+def plain_database(path: Path) -> sqlite3.Connection:
+    """The very tables the store writes, indexes and all, with the appenders' sessions."""
     conn = connect(path, synchronous="FULL")
-    migrate(path, conn, SESSIONS_SCHEMA)  # the very table the store writes, indexes and all
+    migrate(path, conn, SESSIONS_SCHEMA)
     conn.executemany(
         "INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES (?, 'keel', '', 0, 0)",
         [(f"session-{k}",) for k in range(APPENDERS)],
     )
+    return conn
+
+
+def raw_batched_per_s(path: Path, seconds: float) -> float:
+    conn = plain_database(path)
     count, seq = 0, 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
-            "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, 'agent', ?, ?)",
+            INSERT_EVENT,
             [(f"session-{i % APPENDERS}", seq + i, int(time.time() * 1000), CONTENT) for i in range(RAW_BATCH)],
         )
         conn.execute("COMMIT")
@@ -66,6 +82,71 @@ def raw_batched_per_s(path: Path, seconds: float) -> float:
         count += RAW_BATCH
     elapsed = time.perf_counter() - start
     conn.close()
+    return count / elapsed
+
+
+async def floor_appends_per_s(path: Path, seconds: float) -> float:
+    """The same appenders over the least group commit: each queues its row and an event, the
+    first of a batch wakes the database thread, which commits whatever is queued and sets the
+    events from the Trio thread."""
+    conn = plain_database(path)
+    token = trio.lowlevel.current_trio_token()
+    lock = threading.Lock()
+    queued: list[tuple[tuple[str, int, int, str], trio.Event]] = []
+    wake: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: commit what is queued; False: stop
+    flushing = False
+
+    def done(events: list[trio.Event]) -> None:  # in the Trio thread
+        nonlocal flushing
+        for event in events:
+            event.set()
+        with lock:
+            flushing = bool(queued)
+            if flushing:
+                wake.put(True)
+
+    def database_thread() -> None:
+        while wake.get():
+            with lock:
+                batch = queued.copy()
+                queued.clear()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(INSERT_EVENT, [row for row, _ in batch])
+            conn.commit()
+            token.run_sync_soon(done, [event for _, event in batch])
+
+    count = 0
+    deadline = trio.current_time() + seconds
+
+    async def appender(k: int) -> None:
+        nonlocal count, flushing
+        seq = 0
+        while trio.current_time() < deadline:
+            event = trio.Event()
+            with lock:
+                queued.append(((f"session-{k}", seq, int(time.time() * 1000), CONTENT), event))
+                post, flushing = not flushing, True
+            if post:
+                wake.put(True)
+            await event.wait()
+            seq += 1
+            count += 1
+
+    thread = threading.Thread(target=database_thread, name="floor")
+    thread.start()
+    try:
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for k in range(APPENDERS):
+                nursery.start_soon(appender, k)
+        elapsed = time.perf_counter() - start
+    finally:
+        wake.put(False)
+        await trio.to_thread.run_sync(thread.join)
+        (stored,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        conn.close()
+    if stored != count:  # a floor that skipped work would flatter every ratio against it
+        raise RuntimeError(f"the floor counted {count} appends but committed {stored} rows")
     return count / elapsed
 
 
@@ -102,11 +183,14 @@ def main() -> None:
         tmp_path = Path(tmp)
         # Store and raw take turns, and the ratio is the median of each round's own ratio, so
         # that the noise of a shared machine falls on both sides of every comparison.
-        raws, stores, ratios = [], [], []
+        raws, stores, floors, ratios, floor_ratios, store_floor_ratios = [], [], [], [], [], []
         for round_ in range(args.rounds):
             raws.append(raw_batched_per_s(tmp_path / f"raw-{round_}.db", args.seconds))
             stores.append(trio.run(store_appends_per_s, tmp_path / f"runtime-{round_}.db", args.seconds))
+            floors.append(trio.run(floor_appends_per_s, tmp_path / f"floor-{round_}.db", args.seconds))
             ratios.append(stores[-1] / raws[-1])
+            floor_ratios.append(floors[-1] / raws[-1])
+            store_floor_ratios.append(stores[-1] / floors[-1])
         raw, store = statistics.median(raws), statistics.median(stores)
         saves = trio.run(save_us, tmp_path / "saves.db", (10, 10000), args.samples)
         at_10, at_10000 = saves[10], saves[10000]
@@ -114,6 +198,9 @@ def main() -> None:
         "appends_per_s": round(store),
         "raw_sqlite_batched_per_s": round(raw),
         "ratio_vs_raw": round(statistics.median(ratios), 3),
+        "floor_appends_per_s": round(statistics.median(floors)),
+        "floor_ratio_vs_raw": round(statistics.median(floor_ratios), 3),
+        "ratio_vs_floor": round(statistics.median(store_floor_ratios), 3),
         "append_us_at_10_events": round(at_10, 1),
         "append_us_at_10000_events": round(at_10000, 1),
         "growth_ratio": round(at_10000 / at_10, 3),
