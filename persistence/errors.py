@@ -4,6 +4,7 @@ StoreError
 ├── StoreClosed          the store was closed; nothing was written
 ├── InvalidEvent         content that cannot be stored (not JSON, too large); nothing was written
 ├── TranscriptConflict   a save that does not extend the stored transcript
+├── InvalidTask          a task whose id or columns cannot be stored; nothing was written
 ├── TaskExists           create() with an id that is already taken
 ├── TaskNotFound         no such task for this owner
 ├── VersionConflict      update() with a stale version
@@ -36,6 +37,12 @@ class TranscriptConflict(StoreError):
     def __init__(self, session_id: str, reason: str) -> None:
         self.session_id = session_id
         super().__init__(f"session {session_id!r}: {reason}")
+
+
+class InvalidTask(StoreError):
+    def __init__(self, task_id: str, reason: str) -> None:
+        self.task_id = task_id
+        super().__init__(f"task {task_id!r} cannot be stored: {reason}; nothing was written")
 
 
 class TaskExists(StoreError):

@@ -20,7 +20,16 @@ from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
 from persistence.tasks import UNFINISHED_STATES, check_page_size, decode_page_token, encode_page_token
 from persistence.transcript import Message
-from persistence.validate import MAX_EVENT_BYTES, checked_append, check_session_id, check_steer, decode_messages, plan_save
+from persistence.validate import (
+    MAX_EVENT_BYTES,
+    check_name,
+    check_session_id,
+    check_steer,
+    check_task,
+    checked_append,
+    decode_messages,
+    plan_save,
+)
 
 
 @attrs.define(eq=False)
@@ -61,6 +70,8 @@ class MemorySessionStore(_Closable):
 
     async def create_session(self, session_id: str, *, app_name: str = DEFAULT_APP_NAME, user_id: str = "") -> None:
         check_session_id(session_id)
+        check_name("app name", app_name)
+        check_name("user id", user_id)
         await self._enter()
         self.data.events.setdefault(session_id, [])
 
@@ -137,12 +148,15 @@ class MemorySessionStore(_Closable):
         return await self._get((app_name, "", ""))
 
     async def set_app_state(self, app_name: str, state: dict[str, object]) -> None:
+        check_name("app name", app_name)
         await self._set((app_name, "", ""), state)
 
     async def get_user_state(self, app_name: str, user_id: str) -> dict[str, object]:
         return await self._get((app_name, user_id, ""))
 
     async def set_user_state(self, app_name: str, user_id: str, state: dict[str, object]) -> None:
+        check_name("app name", app_name)
+        check_name("user id", user_id)
         await self._set((app_name, user_id, ""), state)
 
 
@@ -153,6 +167,7 @@ class MemoryTaskStore(_Closable):
     tasks: dict[str, TaskRecord] = attrs.field(factory=dict)
 
     async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord:
+        check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json)
         await self._enter()
         if task_id in self.tasks:
             raise TaskExists(task_id)
@@ -174,6 +189,7 @@ class MemoryTaskStore(_Closable):
     async def update(
         self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
     ) -> TaskRecord:
+        check_task(task_id, owner=owner, state=state, task_json=task_json)
         current = await self.get(owner, task_id)
         if expected_version is not None and expected_version != current.version:
             raise VersionConflict(task_id, expected_version, current.version)

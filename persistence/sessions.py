@@ -20,6 +20,7 @@ from persistence.writer import WriterBacked, running
 from persistence.transcript import Message
 from persistence.validate import (
     MAX_EVENT_BYTES,
+    check_name,
     check_session_id,
     check_steer,
     checked_append,
@@ -247,6 +248,8 @@ class SqliteSessionStore(WriterBacked):
     async def create_session(self, session_id: str, *, app_name: str = DEFAULT_APP_NAME, user_id: str = "") -> None:
         """Create the session if it does not exist; creating an existing one changes nothing."""
         check_session_id(session_id)
+        check_name("app name", app_name)
+        check_name("user id", user_id)
         await self._writer.submit(_ensure_txn, session_id, app_name, user_id, now_ms())
 
     async def append(
@@ -316,6 +319,7 @@ class SqliteSessionStore(WriterBacked):
         return await self._read_json("SELECT state FROM app_states WHERE app_name = ?", (app_name,))
 
     async def set_app_state(self, app_name: str, state: dict[str, object]) -> None:
+        check_name("app name", app_name)
         await self._write_json(
             "INSERT INTO app_states (app_name, state, updated_at_ms) VALUES (?, ?, ?)"
             " ON CONFLICT (app_name) DO UPDATE SET state = excluded.state, updated_at_ms = excluded.updated_at_ms",
@@ -327,6 +331,8 @@ class SqliteSessionStore(WriterBacked):
         return await self._read_json("SELECT state FROM user_states WHERE app_name = ? AND user_id = ?", (app_name, user_id))
 
     async def set_user_state(self, app_name: str, user_id: str, state: dict[str, object]) -> None:
+        check_name("app name", app_name)
+        check_name("user id", user_id)
         await self._write_json(
             "INSERT INTO user_states (app_name, user_id, state, updated_at_ms) VALUES (?, ?, ?, ?)"
             " ON CONFLICT (app_name, user_id) DO UPDATE SET state = excluded.state, updated_at_ms = excluded.updated_at_ms",

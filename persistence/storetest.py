@@ -17,7 +17,16 @@ import trio
 import trio.testing
 
 from persistence.api import SessionStore, TaskStore
-from persistence.errors import InvalidEvent, InvalidPage, StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
+from persistence.errors import (
+    InvalidEvent,
+    InvalidPage,
+    InvalidTask,
+    StoreClosed,
+    TaskExists,
+    TaskNotFound,
+    TranscriptConflict,
+    VersionConflict,
+)
 from persistence.transcript import Message, ToolCall
 
 DEADLINE_S = 30  # every check is bounded; none should come near it
@@ -271,6 +280,53 @@ async def bad_content_is_refused_with_its_index_and_nothing_is_written(backend: 
         assert await store.messages("conv-9-b") == []
 
 
+LONE = "\ud800"  # a lone UTF-16 surrogate: a Python string can hold one (JSON's "\\ud800"), UTF-8 cannot
+
+
+@session_check
+async def text_utf8_cannot_hold_is_refused_by_name_and_index_and_fails_no_other_write(backend: Backend) -> None:
+    async with backend.sessions() as store:
+        bad_append: list[Exception] = []
+
+        async def append_bad() -> None:
+            try:
+                await store.append("conv-u", ['{"fine":1}', '"' + LONE + '"'])
+            except InvalidEvent as exc:
+                bad_append.append(exc)
+
+        # Queued together, so that a store with a group-commit writer puts them in one batch.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(append_bad)
+            for k in range(5):
+                nursery.start_soon(store.append, f"neighbour-{k}", ['{"kept":true}'])
+        assert len(bad_append) == 1, "an append holding a lone surrogate was accepted"
+        (exc,) = bad_append
+        assert (exc.session_id, exc.index) == ("conv-u", 1)
+        assert "surrogate" in str(exc) and "U+D800" in str(exc) and "nothing of this call was written" in str(exc)
+        for k in range(5):
+            assert [e.content for e in await store.events(f"neighbour-{k}")] == ['{"kept":true}']
+        assert await store.events("conv-u") == []
+        try:
+            await store.save("conv-u", [user("fine"), answer("half " + LONE)])
+        except InvalidEvent as exc:
+            assert (exc.session_id, exc.index) == ("conv-u", 1)
+        else:
+            raise AssertionError("a message holding a lone surrogate was saved")
+        for call, words in (
+            (lambda: store.add_steer("conv-u", "steer " + LONE), "steer for session 'conv-u'"),
+            (lambda: store.save("conv-" + LONE, [user("q")]), "session id"),
+            (lambda: store.create_session("conv-v", user_id=LONE), "user id"),
+            (lambda: store.set_app_state(LONE, {}), "app name"),
+        ):
+            try:
+                await call()
+            except ValueError as exc:
+                assert words in str(exc) and "surrogate" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"text holding a lone surrogate was accepted ({words})")
+        assert await store.messages("conv-u") == [] and await store.take_steers("conv-u") == []
+
+
 @session_check
 async def a_closed_store_refuses_every_call(backend: Backend) -> None:
     async with backend.sessions() as store:
@@ -381,6 +437,36 @@ async def an_update_bumps_the_version_and_a_stale_one_is_a_conflict(backend: Bac
             raise AssertionError("a stale urgent write was accepted")
         urgent = await store.update("alice", "t1", state=CANCELED, task_json='{"c":1}', expected_version=3, urgent=True)
         assert (urgent.version, urgent.state) == (4, CANCELED) and await store.get("alice", "t1") == urgent
+
+
+@task_check
+async def a_task_utf8_cannot_hold_is_refused_by_name_and_fails_no_other_write(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        await make_task(store, "t1")
+        refused: list[InvalidTask] = []
+
+        async def attempt(call: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await call()
+            except InvalidTask as exc:
+                refused.append(exc)
+
+        async with trio.open_nursery() as nursery:  # queued together, as one batch would be
+            nursery.start_soon(attempt, lambda: store.update("alice", "t1", state=WORKING, task_json='"' + LONE + '"', expected_version=1))
+            nursery.start_soon(attempt, lambda: make_task(store, "t2", context_id="ctx-" + LONE))
+            for k in range(5):
+                nursery.start_soon(make_task, store, f"neighbour-{k}")
+        assert sorted(exc.task_id for exc in refused) == ["t1", "t2"], refused
+        assert all("surrogate" in str(exc) and "nothing was written" in str(exc) for exc in refused)
+        assert "context id" in str(next(exc for exc in refused if exc.task_id == "t2"))
+        assert (await store.get("alice", "t1")).version == 1
+        assert (await store.list("alice")).total_size == 6  # t1 and the five neighbours; no t2
+        try:
+            await store.get("alice", "t-" + LONE)
+        except TaskNotFound:
+            pass
+        else:
+            raise AssertionError("a task id no store can hold was found")
 
 
 @task_check

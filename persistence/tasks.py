@@ -16,6 +16,7 @@ from persistence.api import TaskPage, TaskRecord
 from persistence.errors import InvalidPage, TaskExists, TaskNotFound, VersionConflict
 from persistence.sessions import now_ms
 from persistence.sqlite import Schema, SqlitePool, execute_ddl
+from persistence.validate import check_task, lone_surrogate
 from persistence.writer import WriterBacked, running
 
 MAX_PAGE_SIZE = 100
@@ -149,6 +150,7 @@ class SqliteTaskStore(WriterBacked):
         return cls(pool=await SqlitePool.open(path, TASKS_SCHEMA, synchronous=synchronous))
 
     async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord:
+        check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json)
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
@@ -157,6 +159,8 @@ class SqliteTaskStore(WriterBacked):
         return await self._writer.submit(_create_txn, record)
 
     async def get(self, owner: str, task_id: str) -> TaskRecord:
+        if lone_surrogate(task_id) or lone_surrogate(owner):  # no such text is ever stored
+            raise TaskNotFound(task_id)
         row = await self.pool.run(
             lambda conn: conn.execute(f"SELECT {_COLUMNS} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)).fetchone()
         )
@@ -167,6 +171,7 @@ class SqliteTaskStore(WriterBacked):
     async def update(
         self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
     ) -> TaskRecord:
+        check_task(task_id, owner=owner, state=state, task_json=task_json)
         return await self._writer.submit(
             _update_txn, owner, task_id, state, task_json, expected_version, urgent=urgent
         )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import json.scanner
+import re
 from collections.abc import Sequence
 
-from persistence.errors import InvalidEvent, StoreError, TranscriptConflict
+from persistence.errors import InvalidEvent, InvalidTask, StoreError, TranscriptConflict
 from persistence.transcript import Message
 
 MAX_EVENT_BYTES = 1 << 20  # 1 MiB: a larger event is almost certainly a bug upstream
@@ -38,10 +39,36 @@ def is_json(text: str) -> bool:
     return True
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Why ``text`` cannot be stored (to follow the thing's name), or None if it can.
+
+    A Python string can hold a lone UTF-16 surrogate (JSON's ``"\\ud800"`` escape decodes to
+    one), which UTF-8, and so SQLite, cannot encode. Stores refuse such text before anything of
+    the call is queued, so one bad write never fails the others committed with it.
+    """
+    if text.isascii():  # the common case, and an O(1) test
+        return None
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (
+        f"holds a lone UTF-16 surrogate (U+{ord(found.group()):04X}) at character {found.start()}, "
+        "which is not Unicode text and cannot be stored as UTF-8; send the character as a surrogate pair, or drop it"
+    )
+
+
 def check_contents(session_id: str, contents: Sequence[str], *, first_index: int, max_bytes: int) -> None:
-    """Raise InvalidEvent for the first content that is not JSON text of at most max_bytes."""
+    """Raise InvalidEvent for the first content that is not storable JSON text of at most max_bytes."""
     for content in contents:  # the common case first: every content fine, checked cheaply
-        if type(content) is not str or len(content) * 4 > max_bytes or not is_json(content):
+        if (
+            type(content) is not str
+            or len(content) * 4 > max_bytes
+            or not is_json(content)
+            or (not content.isascii() and _SURROGATE.search(content))
+        ):
             break
     else:
         return
@@ -50,6 +77,7 @@ def check_contents(session_id: str, contents: Sequence[str], *, first_index: int
         if not isinstance(content, str):
             raise InvalidEvent(session_id, index, f"content must be JSON text (str), not {type(content).__name__}")
         check_sizes(session_id, (content,), first_index=index, max_bytes=max_bytes)
+        check_text(session_id, (content,), first_index=index)
         if not is_json(content):
             try:
                 _STRICT.decode(content)
@@ -68,11 +96,33 @@ def checked_append(session_id: str, contents: Sequence[str], *, max_bytes: int) 
 def check_session_id(session_id: str) -> None:
     if not isinstance(session_id, str) or not session_id:
         raise ValueError("a session id must be a non-empty string; an empty one would collect every conversation in one bucket")
+    check_name("session id", session_id)
+
+
+def check_name(what: str, name: str) -> None:
+    """A name a store keys rows by (a session id, an app name, a user id) must be storable."""
+    reason = lone_surrogate(name)
+    if reason is not None:
+        raise ValueError(f"{what} {name!r} {reason}")
 
 
 def check_steer(session_id: str, text: str) -> None:
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"a steer for session {session_id!r} must be non-empty text")
+    reason = lone_surrogate(text)
+    if reason is not None:
+        raise ValueError(f"a steer for session {session_id!r} {reason}")
+
+
+def check_task(task_id: str, **columns: str) -> None:
+    """Raise InvalidTask if the task's id or any of its ``columns`` cannot be stored."""
+    for column, text in {"id": task_id, **columns}.items():
+        reason = lone_surrogate(text)
+        if reason is not None:
+            raise InvalidTask(task_id, f"its {_TASK_COLUMNS.get(column, column)} {reason}")
+
+
+_TASK_COLUMNS = {"context_id": "context id", "task_json": "JSON"}
 
 
 def plan_save(
@@ -103,7 +153,15 @@ def plan_save(
             raise InvalidEvent(session_id, index, f"expected a Message, got {type(message).__name__}")
         contents.append(message.to_json())
     check_sizes(session_id, contents, first_index=stored, max_bytes=max_bytes)
+    check_text(session_id, contents, first_index=stored)
     return contents
+
+
+def check_text(session_id: str, contents: Sequence[str], *, first_index: int) -> None:
+    for offset, content in enumerate(contents):
+        reason = lone_surrogate(content)
+        if reason is not None:
+            raise InvalidEvent(session_id, first_index + offset, f"it {reason}")
 
 
 def check_sizes(session_id: str, contents: Sequence[str], *, first_index: int, max_bytes: int) -> None:

@@ -204,10 +204,10 @@ class GroupCommitWriter:
 def _commit_batch(conn: sqlite3.Connection, batch: list[_Item], hooks: BatchHooks | None) -> None:
     """Commit a batch in one transaction.
 
-    The fast path runs every write without savepoints. If one raises, the whole transaction is
-    rolled back and the batch runs again with a savepoint around each write, so that only the
-    failing write is undone. A write is a function of the database alone, so running it again
-    after a rollback is safe.
+    The fast path runs every write without savepoints. If one raises (or the writes the hooks
+    deferred to the end of the batch do), the whole transaction is rolled back and the batch
+    runs again with a savepoint around each write, so that only the failing write is undone. A
+    write is a function of the database alone, so running it again after a rollback is safe.
     """
     try:
         _transaction(conn, batch, hooks, careful=False)
@@ -234,7 +234,14 @@ def _transaction(conn: sqlite3.Connection, batch: list[_Item], hooks: BatchHooks
             except Exception as exc:
                 raise _ItemFailed from exc
         if hooks is not None:
-            hooks.finish(conn)
+            try:
+                hooks.finish(conn)
+            except Exception as exc:
+                if careful:
+                    raise
+                # Writes the hooks deferred to the end of the batch failed together: run the
+                # batch again carefully, where each write does its own inside its savepoint.
+                raise _ItemFailed from exc
         conn.commit()
     except BaseException:
         if conn.in_transaction:

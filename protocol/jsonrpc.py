@@ -9,6 +9,7 @@ ProtoJSON ``Any`` objects (spec 1.0 §9.5): a ``google.rpc.ErrorInfo`` with the 
 from __future__ import annotations
 
 import json
+import re
 from typing import Union
 
 import attrs
@@ -57,16 +58,52 @@ def _reject_constant(name: str) -> object:
 
 
 def load_json(body: bytes | str) -> object:
-    """Parse standard JSON (no NaN or Infinity); raises ParseError with the parser's reason."""
+    """Parse standard JSON (no NaN or Infinity) whose strings are Unicode text; raises ParseError
+    with the reason."""
     try:
         text = body.decode("utf-8") if isinstance(body, bytes) else body
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
+        if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
+            where = _lone_surrogate(value)
+            if where is not None:
+                raise ParseError(
+                    f"{where} holds a lone UTF-16 surrogate, which is not Unicode text and cannot be "
+                    "stored; send the character as a surrogate pair (\\ud83d\\ude00, say), or drop it"
+                )
+        return value
     except UnicodeDecodeError as exc:
         raise ParseError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except RecursionError:
         raise ParseError("nested too deeply") from None
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
         raise ParseError(str(exc)) from None
+
+
+# JSON can spell a lone surrogate ("\ud800"), which a Python string holds but UTF-8 cannot: any
+# store would fail to write it. A valid pair decodes to one character outside the range.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where the text may spell one
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: object, path: str = "") -> str | None:
+    """Where in ``value`` the first string or member name holding a lone surrogate is."""
+    if isinstance(value, str):
+        if _SURROGATE.search(value) is None:
+            return None
+        return f"the string at {path}" if path else "the body"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _SURROGATE.search(key):
+                return f"a member name in {path or 'the body'}"
+            found = _lone_surrogate(item, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def parse_request(body: bytes | str) -> JsonRpcRequest:

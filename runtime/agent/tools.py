@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from persistence.transcript import ToolCall
-from runtime.models import ToolSpec
+from runtime.models import ToolSpec, unicode_text
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,13 @@ async def call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
             text = await tool.invoke(arguments)
         except Exception as exc:  # a failing tool is the model's to handle; Cancelled is not caught
             logger.info("tool %s failed: %r", call.name, exc)
-            return Outcome(f"error: {call.name} failed: {str(exc) or type(exc).__name__}", True)
+            return Outcome(f"error: {call.name} failed: {unicode_text(str(exc)) or type(exc).__name__}", True)
         if not isinstance(text, str):
             logger.warning("tool %s returned a %s, not text", call.name, type(text).__name__)
             return Outcome(f"error: {call.name} failed: it returned no text", True)
-        return Outcome(text, False)
+        # Stored with the transcript, so it must be Unicode text: a file name read with
+        # errors="surrogateescape", say, is not.
+        return Outcome(unicode_text(text), False)
     # The tool's own scope ran out. A tool that ignores cancellation (a blocking call in a
     # thread, say) delays this until it returns; the caller's cancellation is never caught here.
     return Outcome(f"error: {call.name} did not finish within {tool.timeout_s:g} s", True)

@@ -32,7 +32,7 @@ from runtime.models.values import (
     ToolSpec,
     Usage,
 )
-from runtime.models.wire import request_body
+from runtime.models.wire import request_body, unicode_text
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -56,4 +56,5 @@ __all__ = [
     "Usage",
     "open_model_client",
     "request_body",
+    "unicode_text",
 ]

@@ -1,7 +1,8 @@
 """Turning a streamed answer (server-sent events of chat-completion chunks) into deltas, sans I/O.
 
 Tool calls are assembled by their ``index``: the first fragment of a call carries its id and name,
-later ones only pieces of ``arguments``, which are concatenated as text, exactly as they came.
+later ones only pieces of ``arguments``, which are concatenated as text, exactly as they came
+(save that UTF-16 surrogates sent apart are joined, and lone ones replaced: ``wire.unicode_text``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import attrs
 from persistence.transcript import Message, ToolCall
 from runtime.models.errors import ModelBadResponse
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
-from runtime.models.wire import arguments_text, inferred_finish_reason, optional_str, parse_usage, synthetic_call_id
+from runtime.models.wire import arguments_text, inferred_finish_reason, optional_str, parse_usage, tool_call, unicode_text
 
 
 @attrs.define
@@ -37,6 +38,7 @@ class StreamAssembler:
     done: bool = attrs.field(init=False, default=False)
     _data: list[str] = attrs.field(init=False, factory=list)
     _text: list[str] = attrs.field(init=False, factory=list)
+    _held: str = attrs.field(init=False, default="")  # a surrogate that ended the last text, awaiting its pair
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
     _finish_reason: str = attrs.field(init=False, default="")
     _usage: Usage | None = attrs.field(init=False, default=None)
@@ -75,13 +77,21 @@ class StreamAssembler:
 
     def _message(self, *, partial: bool) -> Message:
         calls = () if partial else self._tool_calls()
-        return Message(role="assistant", text="".join(self._text), tool_calls=calls, partial=partial)
+        text = "".join(self._text) + unicode_text(self._held)
+        return Message(role="assistant", text=text, tool_calls=calls, partial=partial)
 
     def _tool_calls(self) -> tuple[ToolCall, ...]:
         return tuple(
-            ToolCall(id=parts.id or synthetic_call_id(index), name=parts.name, arguments="".join(parts.arguments))
-            for index, parts in sorted(self._calls.items())
+            tool_call(index, parts.id, parts.name, "".join(parts.arguments)) for index, parts in sorted(self._calls.items())
         )
+
+    def _unicode(self, text: str) -> str:
+        """A chunk's text as Unicode text (see wire.unicode_text), holding back a first half of a
+        surrogate pair that ends it until the next chunk brings the second."""
+        text, self._held = self._held + text, ""
+        if "\ud800" <= text[-1:] <= "\udbff":
+            text, self._held = text[:-1], text[-1]
+        return unicode_text(text)
 
     def _dispatch(self) -> list[Delta]:
         if not self._data:
@@ -119,7 +129,7 @@ class StreamAssembler:
         delta = choice.get("delta") or {}
         if not isinstance(delta, dict):
             raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
-        text = optional_str(delta.get("content"), model=self.model, what="a chunk's content")
+        text = self._unicode(optional_str(delta.get("content"), model=self.model, what="a chunk's content"))
         if text:
             self._text.append(text)
             deltas.append(TextDelta(text))

@@ -3,11 +3,13 @@
 Tool-call arguments travel as the raw text the model produced, in both directions: a stored
 ``ToolCall.arguments`` goes out as ``function.arguments`` unchanged and an answer's arguments come
 back unchanged (duplicate keys, key order and whitespace included). They are never parsed here.
+The one exception is text that is not Unicode at all (see ``unicode_text``), which no store holds.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from persistence.transcript import Message, ToolCall
@@ -77,7 +79,7 @@ def parse_completion(data: object, *, model: str) -> Completion:
     message = choices[0].get("message")
     if not isinstance(message, dict):
         raise ModelBadResponse(model, "the first choice has no message")
-    text = optional_str(message.get("content"), model=model, what="the message content")
+    text = unicode_text(optional_str(message.get("content"), model=model, what="the message content"))
     calls = tuple(
         tool_call_from_wire(index, call, model=model)
         for index, call in enumerate(message.get("tool_calls") or ())
@@ -99,7 +101,29 @@ def tool_call_from_wire(index: int, call: object, *, model: str) -> ToolCall:
         raise ModelBadResponse(model, f"tool call {index} has no name")
     call_id = optional_str(call.get("id"), model=model, what=f"the id of tool call {index}")
     arguments = arguments_text(function.get("arguments"), model=model, index=index)
-    return ToolCall(id=call_id or synthetic_call_id(index), name=name, arguments=arguments)
+    return tool_call(index, call_id, name, arguments)
+
+
+def tool_call(index: int, call_id: str, name: str, arguments: str) -> ToolCall:
+    return ToolCall(
+        id=unicode_text(call_id) or synthetic_call_id(index), name=unicode_text(name), arguments=unicode_text(arguments)
+    )
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unicode_text(text: str) -> str:
+    """``text`` as Unicode text, which is what a store can hold.
+
+    JSON can spell UTF-16 surrogates one at a time, and a server that cuts its text by UTF-16
+    units (as JavaScript's strings do) may send an emoji's two halves in two chunks: the halves
+    are joined here into their character. A half left alone is replaced by U+FFFD, as a bad
+    byte would be. Anything else, tool-call arguments included, is returned unchanged.
+    """
+    if text.isascii() or _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 def arguments_text(arguments: object, *, model: str, index: int) -> str:

@@ -221,7 +221,7 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        return json.dumps({**head, "choices": [choice]}, ensure_ascii=False)
+        return _json({**head, "choices": [choice]})
 
     yield chunk({"role": "assistant", "content": ""})
     for piece in _pieces(reply.text, reply.chunk_chars):
@@ -270,7 +270,7 @@ async def _send_stream(send: Send, reply: Reply, events: Iterator[str], exchange
 
 
 async def _send_whole(send: Send, reply: Reply, completion: dict[str, Any], exchange: _Exchange) -> None:
-    body = json.dumps(completion, ensure_ascii=False).encode()
+    body = _json(completion).encode()
     if reply.fail_after_chunks is not None:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -320,8 +320,20 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
+def _json(data: object) -> str:
+    """UTF-8 JSON text, as most servers send it; a string that is not Unicode text (a lone
+    UTF-16 surrogate, which a script can hold, say to stand for half an emoji that a JavaScript
+    server cut between two chunks) is spelled as a JSON escape, as such a server spells it."""
+    text = json.dumps(data, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(data)
+    return text
+
+
 async def _send_json(send: Send, status: int, data: dict[str, Any]) -> None:
-    await _send_bytes(send, status, json.dumps(data, ensure_ascii=False).encode(), "application/json")
+    await _send_bytes(send, status, _json(data).encode(), "application/json")
 
 
 async def _send_bytes(send: Send, status: int, body: bytes, content_type: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:

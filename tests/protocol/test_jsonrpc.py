@@ -55,6 +55,38 @@ def test_parse_request_parse_error_keeps_the_parser_reason() -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        (rb'{"jsonrpc":"2.0","id":1,"method":"SendMessage","params":{"message":{"parts":[{"text":"x\ud800"}]}}}',
+         "the string at params.message.parts[0].text"),
+        (rb'{"jsonrpc":"2.0","id":1,"method":"SendMessage","params":{"message":{"contextId":"\uDC00"}}}',
+         "the string at params.message.contextId"),
+        (rb'{"jsonrpc":"2.0","id":1,"method":"m","params":{"\udbff":1}}', "a member name in params"),
+        (rb'"\ud800"', "the body"),
+        ('{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":["\ud800"]}}', "the string at params.a[0]"),
+    ],
+)  # fmt: skip
+def test_parse_request_text_holding_a_lone_surrogate_is_a_parse_error_saying_where(body: bytes | str, where: str) -> None:
+    rejection = rejected(body)
+    assert isinstance(rejection.error, ParseError)
+    assert rejection.error.message == (
+        f"request body is not valid JSON: {where} holds a lone UTF-16 surrogate, which is not Unicode text and "
+        "cannot be stored; send the character as a surrogate pair (\\ud83d\\ude00, say), or drop it"
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        rb'{"jsonrpc":"2.0","id":1,"method":"m","params":{"text":"\ud83d\ude00"}}',  # a pair: one character
+        rb'{"jsonrpc":"2.0","id":1,"method":"m","params":{"text":"\\ud800"}}',  # a backslash, then "ud800"
+    ],
+)
+def test_parse_request_accepts_a_surrogate_pair_and_an_escaped_backslash(body: bytes) -> None:
+    assert parse_request(body).params["text"] in ("\U0001f600", "\\ud800")
+
+
+@pytest.mark.parametrize(
     ("body", "request_id", "reason"),
     [
         ("[]", None, "batch requests are not supported, got an empty array"),

@@ -21,8 +21,8 @@ from fake_model import FakeModel
 from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message, ToolCall
-from runtime.agent import AgentEvent, Tool
-from runtime.models import ChatRequest, Completion, Delta, Finish, ModelConfig, TextDelta, Usage
+from runtime.agent import AgentEvent, AgentRun, AgentSpec, Tool
+from runtime.models import ChatRequest, Completion, Delta, Finish, ModelConfig, TextDelta, Usage, open_model_client
 
 DEADLINE_S = 10.0  # generous: every wait in these tests is on loopback or in memory
 PROMPTLY_S = 1.0  # how soon a cancelled run must have exited (the benchmark measures the real figure)
@@ -142,6 +142,12 @@ class EventLog:
     async def wait_for(self, kind: type[Any], count: int = 1) -> None:
         while len(self.of(kind)) < count:
             await self._changed.wait()
+
+
+async def run_turn(fake: FakeModel, spec: AgentSpec, messages: list[Message], **options: Any) -> Any:
+    """One turn against the fake model, through the real client."""
+    async with open_model_client(config_for(fake)) as client:
+        return await AgentRun(client, spec, messages, **options).run()
 
 
 def sent_messages(body: dict[str, Any]) -> list[dict[str, Any]]:

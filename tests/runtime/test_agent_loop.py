@@ -43,6 +43,7 @@ from tests.runtime.agent_support import (
     make_tool,
     question,
     refuse_writes_of_events,
+    run_turn,
     sent_messages,
     stored_messages,
 )
@@ -51,11 +52,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SESSION = "incident-7"
 VAULT = '{"service": "vault"}'
 CHILD = Path(__file__).with_name("agent_child.py")
-
-
-async def run_turn(fake: FakeModel, spec: AgentSpec, messages: list[Message], **options: Any) -> Any:
-    async with open_model_client(config_for(fake)) as client:
-        return await AgentRun(client, spec, messages, **options).run()
 
 
 async def test_loop_answers_with_the_whole_transcript_and_what_it_cost(fake_model: FakeModel) -> None:

@@ -3,6 +3,8 @@ the model through the loop."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +16,19 @@ from persistence.transcript import ToolCall
 from runtime.agent import AgentRun, AgentSpec, Tool
 from runtime.agent.tools import DEFAULT_TOOL_TIMEOUT_S, call_tool, schema_problem
 from runtime.models import open_model_client
-from tests.runtime.agent_support import DEADLINE_S, LOOKUP_SCHEMA, config_for, lookup_tool, make_tool, question, sent_messages
+from persistence.session import Session
+from persistence.sessions import open_session_store
+from tests.runtime.agent_support import (
+    DEADLINE_S,
+    LOOKUP_SCHEMA,
+    config_for,
+    lookup_tool,
+    make_tool,
+    question,
+    run_turn,
+    sent_messages,
+    stored_messages,
+)
 
 ALERT_SCHEMA = {
     "type": "object",
@@ -189,3 +203,27 @@ async def test_bad_tool_calls_go_back_to_the_model_as_tool_errors_and_the_run_go
     assert "the runbook index is rebuilding" in results[4]
     assert result.output == "One lookup worked; the rest failed."
     assert LOOKUP_SCHEMA == fake_model.bodies[0]["tools"][0]["function"]["parameters"]
+
+
+async def test_a_tool_text_that_is_not_unicode_is_stored_and_sent_with_replacement_characters(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # A file name that is not UTF-8, read as Python reads one: its bad byte becomes a lone
+    # surrogate, which no store can hold. The run goes on, and stores what the model was sent.
+    name = os.fsdecode(b"report-\xe9.txt")
+
+    async def list_files(_arguments: dict[str, Any]) -> str:
+        return f"files: {name}"
+
+    async def open_file(_arguments: dict[str, Any]) -> str:
+        raise FileNotFoundError(f"no such file: {name}")
+
+    fake_model.script = [Reply(tool_calls=[Call("list_files", "{}"), Call("open_file", "{}")]), Reply(text="One file.")]
+    tools = [make_tool("list_files", list_files), make_tool("open_file", open_file)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db") as store:
+            result = await run_turn(fake_model, AgentSpec(tools=tools), question(), session=Session.open("s", store))
+    results = [message["content"] for message in sent_messages(fake_model.bodies[1]) if message["role"] == "tool"]
+    assert results == ["files: report-\ufffd.txt", "error: open_file failed: no such file: report-\ufffd.txt"]
+    assert result.output == "One file."
+    assert await stored_messages(tmp_path / "runtime.db", "s") == list(result.messages)

@@ -127,6 +127,33 @@ async def test_complete_returns_text_tool_calls_and_usage_in_one_piece(fake_mode
     assert "stream_options" not in fake_model.bodies[0]
 
 
+# An emoji's two UTF-16 halves, as separate characters: what a server that cuts text by UTF-16
+# units (as JavaScript does) sends in two chunks, each spelled as a JSON escape.
+HIGH, LOW = "\ud83d", "\ude00"
+
+
+async def test_stream_joins_an_emoji_cut_between_chunks_and_replaces_a_lone_half(fake_model: FakeModel) -> None:
+    sent = f"smile {HIGH}{LOW}, half {HIGH} and {LOW}!"
+    arguments = f'{{"q": "{HIGH}{LOW}"}}'
+    fake_model.script = [Reply(text=sent, tool_calls=[Call("search", arguments)], chunk_chars=1)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            deltas, completion = await read_stream(client)
+    texts = [delta.text for delta in deltas if isinstance(delta, TextDelta)]
+    assert "".join(texts) == completion.message.text == "smile \U0001f600, half \ufffd and \ufffd!"
+    assert "\U0001f600" in texts  # held back one chunk, then sent whole
+    assert completion.message.tool_calls[0].arguments == '{"q": "\U0001f600"}'
+
+
+async def test_complete_replaces_text_that_is_not_unicode(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text=f"ok {HIGH}{LOW} {LOW}", tool_calls=[Call("search", f'{{"q": "{HIGH}"}}', id="call_a")])]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            completion = await client.complete(ASK)
+    assert completion.message.text == "ok \U0001f600 \ufffd"
+    assert completion.message.tool_calls == (ToolCall("call_a", "search", '{"q": "\ufffd"}'),)
+
+
 async def test_stream_asks_for_usage_and_reports_it(fake_model: FakeModel) -> None:
     fake_model.script = [Reply(text="Counted.", prompt_tokens=31, completion_tokens=9)]
     with trio.fail_after(DEADLINE_S):

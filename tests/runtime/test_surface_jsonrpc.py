@@ -3,6 +3,7 @@ every error code with the HTTP status the reference server gives it (wire/err_*.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -411,6 +412,44 @@ async def test_a_body_that_is_not_json_is_a_parse_error(keel: Served) -> None:
     assert body["id"] is None
     check_error(body["error"], -32700, V1, None)
     assert "line 1 column 35" in body["error"]["message"]  # the parser's own reason, as the reference says
+
+
+async def test_text_holding_a_lone_surrogate_is_refused_saying_where_and_the_messages_beside_it_complete(
+    keel: Served,
+) -> None:
+    # JSON can spell a lone UTF-16 surrogate; no store can hold one. Sent among good messages, it
+    # is refused on its own, and stores nothing.
+    keel.model.script = [Reply(text="fine")] * 4
+    good = [json.dumps(keel.body("SendMessage", send_params(f"question {n}", V1))).encode() for n in range(4)]
+    bad = {
+        "params.message.parts[0].text": keel.body("SendMessage", send_params("half a pair: \ud83d", V1)),
+        "params.message.contextId": keel.body("SendMessage", send_params("fine", V1, contextId="ctx-\udc00")),
+    }
+    answers: dict[str, Any] = {}
+
+    async def send(name: str, content: bytes) -> None:
+        answers[name] = (await post_raw(keel, content, **{"A2A-Version": "1.0"})).json()
+
+    async with trio.open_nursery() as nursery:
+        for where, body in bad.items():
+            nursery.start_soon(send, where, json.dumps(body).encode())  # ensure_ascii: the escapes go as sent
+        for n, content in enumerate(good):
+            nursery.start_soon(send, f"good {n}", content)
+    for where in bad:
+        error = answers[where]["error"]
+        check_error(error, -32700, V1, None)
+        assert f"{where} holds a lone UTF-16 surrogate" in error["message"] and "surrogate pair" in error["message"]
+    for n in range(len(good)):
+        assert answers[f"good {n}"]["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert (await keel.result("ListTasks", {}))["totalSize"] == len(good)
+
+
+async def test_a_model_answer_holding_half_an_emoji_completes_with_a_replacement_character(keel: Served) -> None:
+    keel.model.script = [Reply(text="the answer: \ud83d", chunk_chars=4)]  # half a pair, spelled as a JSON escape
+    task = await keel.send("why?")
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert task["artifacts"][0]["parts"] == [{"text": "the answer: \ufffd"}]
+    assert (await keel.sessions.messages(task["contextId"]))[-1].text == "the answer: \ufffd"
 
 
 @pytest.mark.parametrize(
