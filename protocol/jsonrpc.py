@@ -9,6 +9,7 @@ ProtoJSON ``Any`` objects (spec 1.0 §9.5): a ``google.rpc.ErrorInfo`` with the 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Union
 
@@ -57,12 +58,21 @@ def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    # A number past a double's range (1e999) would parse as infinity, which no JSON can carry:
+    # stored, the task could never be sent back.
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:40]} is out of range (a JSON number here must fit a 64-bit float)")
+    return value
+
+
 def load_json(body: bytes | str) -> object:
-    """Parse standard JSON (no NaN or Infinity) whose strings are Unicode text; raises ParseError
-    with the reason."""
+    """Parse standard JSON (no NaN or Infinity, no number past a double's range) whose strings are
+    Unicode text; raises ParseError with the reason."""
     try:
         text = body.decode("utf-8") if isinstance(body, bytes) else body
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
         if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
             where = _lone_surrogate(value)
             if where is not None:

@@ -66,7 +66,7 @@ def new_id() -> str:
 
 
 def encode(task: Task) -> str:
-    return json.dumps(task.to_json(STORED_VERSION), ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(task.to_json(STORED_VERSION), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def decode(record: TaskRecord) -> Task:

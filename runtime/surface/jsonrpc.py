@@ -118,13 +118,13 @@ class JsonRpcEndpoint:
                 stream = await self._open_stream(request_id, target, params)
                 return event_stream_response(stream)
             result = await self._answer(target.operation, params, target.version)
+            return json_response(success_response(request_id, result))  # encoding can fail too
         except ProtocolError as exc:
             return json_response(error_response(request_id, exc, target.version))
         except Exception:
             logger.exception("JSON-RPC %s failed", target.method)
             error = InternalError(f"{target.method!r}")
             return json_response(error_response(request_id, error, target.version))
-        return json_response(success_response(request_id, result))
 
     async def _answer(self, operation: Operation, params: Params, version: ProtocolVersion) -> object:
         if operation.is_push_config:

@@ -54,6 +54,21 @@ def test_parse_request_parse_error_keeps_the_parser_reason() -> None:
     )
 
 
+@pytest.mark.parametrize("number", ["1e999", "-1e999", "1.5e400"])
+def test_parse_request_a_number_past_a_doubles_range_is_a_parse_error_naming_it(number: str) -> None:
+    rejection = rejected(f'{{"jsonrpc":"2.0","id":1,"method":"m","params":{{"data":{{"x":{number}}}}}}}')
+    assert isinstance(rejection.error, ParseError)
+    assert rejection.error.message == (
+        f"request body is not valid JSON: the number {number} is out of range (a JSON number here must fit a 64-bit float)"
+    )
+
+
+def test_parse_request_keeps_numbers_a_double_holds_and_big_integers() -> None:
+    params = parse_request('{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":1e308,"b":1e-999,"c":123456789012345678901234567890}}').params
+    assert params == {"a": 1e308, "b": 0.0, "c": 123456789012345678901234567890}
+    assert encode_json(params) == b'{"a":1e+308,"b":0.0,"c":123456789012345678901234567890}'
+
+
 @pytest.mark.parametrize(
     ("body", "where"),
     [

@@ -444,6 +444,22 @@ async def test_text_holding_a_lone_surrogate_is_refused_saying_where_and_the_mes
     assert (await keel.result("ListTasks", {}))["totalSize"] == len(good)
 
 
+async def test_a_number_past_a_doubles_range_is_refused_and_leaves_every_task_readable(keel: Served) -> None:
+    # 1e999 parses as infinity, which no JSON can carry: stored in a task, it made that task,
+    # and every listing holding it, fail to encode ever after (a bare HTTP 500).
+    keel.model.script = [Reply(text="fine")]
+    done = await keel.send("first")
+    body = keel.body("SendMessage", {"message": {**message("see data", V1), "parts": [{"data": {"load": 0.5}}]}})
+    content = json.dumps(body).replace("0.5", "1e999").encode()
+    response = await post_raw(keel, content, **{"A2A-Version": "1.0"})
+    assert response.status_code == 200
+    error = response.json()["error"]
+    check_error(error, -32700, V1, None)
+    assert "the number 1e999 is out of range" in error["message"]
+    listing = await keel.result("ListTasks", {})
+    assert [task["id"] for task in listing["tasks"]] == [done["id"]]
+
+
 async def test_a_model_answer_holding_half_an_emoji_completes_with_a_replacement_character(keel: Served) -> None:
     keel.model.script = [Reply(text="the answer: \ud83d", chunk_chars=4)]  # half a pair, spelled as a JSON escape
     task = await keel.send("why?")
