@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from typing import Union
 
 import attrs
@@ -58,6 +59,28 @@ def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# Deeper JSON is refused outright. What is stored holds the request's values a few levels
+# deeper still, and every reader must be able to decode it: near Python's recursion limit, whether
+# it could would depend on how deep the reader's own stack happened to be.
+MAX_DEPTH = 100
+
+
+def _deeper_than(value: object, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Iterable[object] = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _finite_float(text: str) -> float:
     # A number past a double's range (1e999) would parse as infinity, which no JSON can carry:
     # stored, the task could never be sent back.
@@ -73,6 +96,8 @@ def load_json(body: bytes | str) -> object:
     try:
         text = body.decode("utf-8") if isinstance(body, bytes) else body
         value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        if text.count("[") + text.count("{") > MAX_DEPTH and _deeper_than(value, MAX_DEPTH):
+            raise ParseError(f"nested more than {MAX_DEPTH} deep; flatten it")
         if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
             where = _lone_surrogate(value)
             if where is not None:
@@ -84,7 +109,7 @@ def load_json(body: bytes | str) -> object:
     except UnicodeDecodeError as exc:
         raise ParseError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except RecursionError:
-        raise ParseError("nested too deeply") from None
+        raise ParseError(f"nested more than {MAX_DEPTH} deep; flatten it") from None
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
         raise ParseError(str(exc)) from None
 

@@ -15,6 +15,7 @@ from protocol import (
     parse_request,
     success_response,
 )
+from protocol.jsonrpc import MAX_DEPTH
 
 
 def rejected(body: bytes | str) -> RequestRejected:
@@ -52,6 +53,15 @@ def test_parse_request_parse_error_keeps_the_parser_reason() -> None:
     assert rejected(b'{"jsonrpc":"2.0","id":19,"method":').error.message == (
         "request body is not valid JSON: Expecting value: line 1 column 35 (char 34)"
     )
+
+
+def test_parse_request_refuses_json_nested_past_the_limit_however_deep() -> None:
+    for depth in (MAX_DEPTH + 1, 5_000, 1_000_000):
+        body = '{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":' + "[" * (depth - 2) + "]" * (depth - 2) + "}}"
+        rejection = rejected(body)
+        assert rejection.error.message == f"request body is not valid JSON: nested more than {MAX_DEPTH} deep; flatten it"
+    body = '{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":' + "[" * (MAX_DEPTH - 2) + "]" * (MAX_DEPTH - 2) + "}}"
+    assert parse_request(body).method == "m"
 
 
 @pytest.mark.parametrize("number", ["1e999", "-1e999", "1.5e400"])

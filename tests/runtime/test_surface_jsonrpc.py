@@ -14,6 +14,7 @@ import trio
 import trio.testing
 from fake_model import ErrorReply, FakeModel, Reply
 
+from protocol.jsonrpc import MAX_DEPTH
 from runtime.runner import ANONYMOUS
 from runtime.surface import SurfaceConfig
 from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message, serve_keel
@@ -458,6 +459,28 @@ async def test_a_number_past_a_doubles_range_is_refused_and_leaves_every_task_re
     assert "the number 1e999 is out of range" in error["message"]
     listing = await keel.result("ListTasks", {})
     assert [task["id"] for task in listing["tasks"]] == [done["id"]]
+
+
+async def test_metadata_nested_to_the_limit_is_kept_and_read_back_and_deeper_is_refused(keel: Served) -> None:
+    # Stored, the metadata sits a few levels deeper inside its task; every read must decode it.
+    keel.model.script = [Reply(text="fine")]
+
+    def nested(depth: int) -> Any:  # depth counts every object and array, the body's own included
+        value: Any = []
+        for _ in range(depth - 5):  # body, params, message, metadata, and the innermost []
+            value = [value]
+        return value
+
+    sent = {"message": {**message("deep", V1), "metadata": {"trace": nested(MAX_DEPTH)}}}
+    task = (await keel.result("SendMessage", sent))["task"]
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert (await keel.result("GetTask", {"id": task["id"]}))["history"][0]["metadata"] == {"trace": nested(MAX_DEPTH)}
+    assert (await keel.result("ListTasks", {}))["tasks"][0]["history"][0]["metadata"]["trace"] == nested(MAX_DEPTH)
+    deeper = {"message": {**message("deeper", V1), "metadata": {"trace": nested(MAX_DEPTH + 1)}}}
+    error = await keel.error("SendMessage", deeper)
+    check_error(error, -32700, V1, None)
+    assert f"nested more than {MAX_DEPTH} deep" in error["message"]
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 1
 
 
 async def test_a_model_answer_holding_half_an_emoji_completes_with_a_replacement_character(keel: Served) -> None:
