@@ -90,15 +90,19 @@ def _finite_float(text: str) -> float:
     return value
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def load_json(body: bytes | str) -> object:
     """Parse standard JSON (no NaN or Infinity, no number past a double's range) whose strings are
     Unicode text; raises ParseError with the reason."""
     try:
         text = body.decode("utf-8") if isinstance(body, bytes) else body
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = _DECODER.decode(text)
         if text.count("[") + text.count("{") > MAX_DEPTH and _deeper_than(value, MAX_DEPTH):
             raise ParseError(f"nested more than {MAX_DEPTH} deep; flatten it")
-        if _SURROGATE_ESCAPE.search(text) or _SURROGATE.search(text):
+        # Bytes decoded as UTF-8 hold no surrogate, so only an escape can spell one.
+        if ("\\u" in text and _SURROGATE_ESCAPE.search(text)) or (text is body and _SURROGATE.search(text)):
             where = _lone_surrogate(value)
             if where is not None:
                 raise ParseError(
@@ -116,8 +120,8 @@ def load_json(body: bytes | str) -> object:
 
 # JSON can spell a lone surrogate ("\ud800"), which a Python string holds but UTF-8 cannot: any
 # store would fail to write it. A valid pair decodes to one character outside the range.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where the text may spell one
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # an escape that may spell one
 
 
 def _lone_surrogate(value: object, path: str = "") -> str | None:
