@@ -8,6 +8,7 @@ parametrize over ``SESSION_CHECKS`` and ``TASK_CHECKS`` to see each check by nam
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -551,12 +552,17 @@ async def a_bad_page_size_or_token_is_a_clear_error(backend: Backend) -> None:
                 assert "between 1 and 100" in str(exc) and str(size) in str(exc)
             else:
                 raise AssertionError(f"page size {size} was accepted")
-        try:
-            await store.list("alice", page_token="%%%not-a-token")
-        except InvalidPage as exc:
-            assert "malformed" in str(exc)
-        else:
-            raise AssertionError("a malformed page token was accepted")
+        # Not base64; base64 of what is not a token; tokens forged with a time past SQLite's
+        # integers, before the epoch, or not a number at all; an id that is not text.
+        forged = ([10**30, "t1"], [-1, "t1"], [True, "t1"], [1.5, "t1"], [1, 2], [1, "t1", 3])
+        tokens = ["%%%not-a-token", "bm90IGpzb24", *(base64.urlsafe_b64encode(json.dumps(f).encode()).decode() for f in forged)]
+        for token in tokens:
+            try:
+                await store.list("alice", page_token=token)
+            except InvalidPage as exc:
+                assert "malformed" in str(exc) and "nextPageToken" in str(exc)
+            else:
+                raise AssertionError(f"a malformed page token was accepted: {token}")
 
 
 @task_check

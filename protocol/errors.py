@@ -90,9 +90,11 @@ class FieldViolation:
 class InvalidParams(ProtocolError):
     """A request field is missing or malformed; ``field`` is its path, e.g. ``message.parts[0]``."""
 
-    def __init__(self, field: str, expected: str, *, got: object = MISSING) -> None:
+    def __init__(self, field: str, expected: str = "", *, got: object = MISSING, problem: str = "") -> None:
+        """``expected``: what the field must be (it is said what was got instead); or ``problem``:
+        what is wrong with it, in words that follow its name."""
         self.field = field
-        description = f"must be {expected}, got {describe(got)}"
+        description = problem or f"must be {expected}, got {describe(got)}"
         self.violations: tuple[FieldViolation, ...] = (FieldViolation(field, description),)
         super().__init__(f"invalid params: {field!r} {description}")
 

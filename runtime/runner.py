@@ -228,8 +228,9 @@ class Runner:
                 page_size=params.page_size or DEFAULT_PAGE_SIZE,
                 page_token=params.page_token or "",
             )
-        except store_errors.InvalidPage as exc:
-            raise InvalidParams("pageToken" if "token" in str(exc) else "pageSize", str(exc)) from exc
+        except store_errors.InvalidPage as exc:  # the page size was checked with the request
+            problem = "is not a token this server gave; pass the nextPageToken of the previous page, or none for the first"
+            raise InvalidParams("pageToken", problem=problem) from exc
         tasks = []
         for record in page.records:
             task = decode(record)

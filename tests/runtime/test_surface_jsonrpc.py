@@ -3,6 +3,7 @@ every error code with the HTTP status the reference server gives it (wire/err_*.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from pathlib import Path
@@ -25,6 +26,12 @@ BOTH = pytest.mark.parametrize("version", [V1, V03], ids=["1.0", "0.3"])
 SEND = {V1: "SendMessage", V03: "message/send"}
 GET = {V1: "GetTask", V03: "tasks/get"}
 CANCEL = {V1: "CancelTask", V03: "tasks/cancel"}
+
+
+TOKEN_REFUSED = (
+    "invalid params: 'pageToken' is not a token this server gave; pass the nextPageToken of the previous page, "
+    "or none for the first"
+)
 
 
 def wire_state(name: str, version: str | None) -> str:
@@ -275,9 +282,22 @@ async def test_list_tasks_pages_through_a_context(keel: Served) -> None:
     assert (await keel.result("ListTasks", {}))["totalSize"] == 4
 
 
-@pytest.mark.parametrize("params", [{"pageSize": 0}, {"pageSize": 101}, {"pageToken": "not-a-token"}])
-async def test_list_tasks_refuses_bad_paging(keel: Served, params: dict[str, Any]) -> None:
-    check_error(await keel.error("ListTasks", params), -32602, V1, "INVALID_PARAMS")
+@pytest.mark.parametrize(
+    ("params", "words"),
+    [
+        ({"pageSize": 0}, "invalid params: 'pageSize' must be an integer from 1 to 100, got integer 0"),
+        ({"pageSize": 101}, "invalid params: 'pageSize' must be an integer from 1 to 100, got integer 101"),
+        ({"pageToken": "not-a-token"}, TOKEN_REFUSED),
+        # Forged: a time past SQLite's integers, and one that is true rather than a number.
+        ({"pageToken": base64.urlsafe_b64encode(b'[1000000000000000000000000000000,"t"]').decode()}, TOKEN_REFUSED),
+        ({"pageToken": base64.urlsafe_b64encode(b'[true,"t"]').decode()}, TOKEN_REFUSED),
+    ],
+    ids=["size-0", "size-101", "token-garbage", "token-huge-time", "token-boolean-time"],
+)
+async def test_list_tasks_refuses_bad_paging_saying_what_to_send(keel: Served, params: dict[str, Any], words: str) -> None:
+    error = await keel.error("ListTasks", params)
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert error["message"] == words
 
 
 async def test_list_tasks_is_not_a_v03_method(keel: Served) -> None:
