@@ -40,6 +40,7 @@ from persistence.statedir import (
     DIR_MODE,
     RESIDUE_PREFIX,
     RecoveryError,
+    StateError,
     acquire_use,
     exclusive_use,
     fsync_dir,
@@ -122,7 +123,13 @@ def hold_state_dir(state_dir: Path) -> HeldStateDir:
     reset holds it exclusively.
     """
     outcome = recover(state_dir)
-    state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    try:
+        state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StateError(
+            f"cannot create the state directory {state_dir} ({exc.strerror}); "
+            "choose one that this user can create and write"
+        ) from exc
     with generation_lock(state_dir):
         # A restore may have run between recover() and this lock; check again while nothing can.
         again = recover_locked(state_dir, exclusive_held=False)

@@ -8,10 +8,11 @@ once; values of secrets never appear in a message.
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
@@ -35,7 +36,8 @@ class Setting:
     parse: Callable[[str], Any]
     flag: str | None  # its serve flag, or None for environment-only settings
     help: str
-    secret: bool = False
+    secret: bool = False  # its value is never shown
+    show: Callable[[str], str] = str  # how its value is shown (in `check`, and in problems)
 
 
 def _whole(text: str, low: int, high: int, what: str) -> int:
@@ -70,7 +72,38 @@ def _url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"it must be an http:// or https:// URL with a host, like {DEFAULT_BASE_URL}")
+    try:
+        parts.port  # noqa: B018  # read for its check
+    except ValueError:
+        raise ValueError(f"its port must be a whole number from 1 to 65535, like {DEFAULT_BASE_URL}") from None
     return text.rstrip("/")
+
+
+def without_credentials(url: str) -> str:
+    """``url`` as it may be shown: a password in it, and the values of its query (where some
+    APIs take their key), replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            netloc = f"{parts.username}:***@{netloc.rpartition('@')[2]}"
+        query = "&".join(f"{name.partition('=')[0]}=***" for name in parts.query.split("&")) if parts.query else ""
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:
+        return "(not shown: it cannot be read as a URL)"
+
+
+def _state_dir(text: str) -> Path:
+    """A directory this user can write in, or one it can create (nothing is created here)."""
+    path = Path(_non_empty(text))
+    if path.exists() and not path.is_dir():
+        raise ValueError("it is a file, not a directory")
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{existing} is a file, so no directory can be made under it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"this user cannot write in {existing}" + ("" if existing == path.absolute() else ", so it cannot be created"))
+    return path
 
 
 def _non_empty(text: str) -> str:
@@ -88,8 +121,11 @@ def _orphans(text: str) -> str:
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "AGENT_HOST", _non_empty, "--host", "address to listen on"),
     Setting("port", "AGENT_PORT", _port, "--port", "port to listen on (0: any free port)"),
-    Setting("state_dir", "AGENT_STATE_DIR", lambda t: Path(_non_empty(t)), "--state-dir", "where the databases live"),
-    Setting("model_base_url", "AGENT_MODEL_BASE_URL", _url, "--model-base-url", "an OpenAI-compatible API"),
+    Setting("state_dir", "AGENT_STATE_DIR", _state_dir, "--state-dir", "where the databases live"),
+    Setting(
+        "model_base_url", "AGENT_MODEL_BASE_URL", _url, "--model-base-url", "an OpenAI-compatible API",
+        show=without_credentials,
+    ),  # fmt: skip
     Setting("model", "AGENT_MODEL", _non_empty, "--model", "the model to ask"),
     Setting("model_api_key", "AGENT_MODEL_API_KEY", _non_empty, None, "bearer token for the model API", secret=True),
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
@@ -136,7 +172,7 @@ class Config:
             try:
                 values[setting.field] = setting.parse(text)
             except ValueError as exc:
-                shown = "(hidden)" if setting.secret else repr(text)
+                shown = "(hidden)" if setting.secret else repr(setting.show(text))
                 problems.append(f"{source}={shown} is not valid: {exc}")
         problems.extend(unknown_settings(env))
         if problems:

@@ -57,7 +57,7 @@ def _check(args: argparse.Namespace) -> int:
         value = shown[setting.field]
         if setting.secret:
             value = "(not set)" if value is None else "(set)"
-        print(f"{setting.env}={value}")
+        print(f"{setting.env}={setting.show(str(value))}")
     print("configuration ok")
     return 0
 

@@ -16,6 +16,7 @@ from persistence.statedir import (
     AlreadyServed,
     RecoveryError,
     StateBusy,
+    StateError,
     acquire_serving,
     encode_document,
     exclusive_use,
@@ -340,6 +341,15 @@ def test_hold_state_dir_recovers_creates_the_directory_and_keeps_restore_out(tmp
             pass
     with exclusive_use(state_dir):
         pass
+
+
+def test_a_state_directory_that_cannot_be_made_is_refused_by_name_and_with_what_to_do() -> None:
+    where = Path("/proc/keel-state")  # /proc takes no new directories, whoever asks
+    with pytest.raises(StateError) as caught:
+        hold_state_dir(where)
+    assert str(caught.value) == (
+        f"cannot create the state directory {where} (No such file or directory); choose one that this user can create and write"
+    )
 
 
 def test_one_server_holds_a_state_directory_and_a_second_is_told_so(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import Config, ConfigError
+from runtime.config import Config, ConfigError, without_credentials
 
 
 def test_config_defaults_match_a_local_ollama() -> None:
@@ -74,3 +74,41 @@ def test_check_command_accepts_a_good_configuration_without_echoing_secrets() ->
     assert result.returncode == 0, result.stderr
     assert "AGENT_PORT=8181" in result.stdout and "AGENT_MODEL_API_KEY=(set)" in result.stdout
     assert "sk-secret-2" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://127.0.0.1:11434/v1", "http://127.0.0.1:11434/v1"),
+        ("https://keel:s3cret@models.example/v1", "https://keel:***@models.example/v1"),
+        ("https://models.example/v1?key=s3cret&region=eu", "https://models.example/v1?key=***&region=***"),
+        ("http://[::1]:11434/v1", "http://[::1]:11434/v1"),
+    ],
+)
+def test_a_model_url_is_shown_without_its_credentials(url: str, shown: str) -> None:
+    assert without_credentials(url) == shown
+
+
+def test_check_command_shows_the_model_url_without_its_password_or_query() -> None:
+    result = run_cli("check", env={"AGENT_MODEL_BASE_URL": "https://keel:pw-secret-3@models.example/v1?key=q-secret-4"})
+    assert result.returncode == 0, result.stderr
+    assert "AGENT_MODEL_BASE_URL=https://keel:***@models.example/v1?key=***" in result.stdout
+    result = run_cli("check", env={"AGENT_MODEL_BASE_URL": "https://keel:pw-secret-5@models.example:99999/v1"})
+    assert result.returncode == 1
+    assert "AGENT_MODEL_BASE_URL='https://keel:***@models.example:99999/v1' is not valid: its port" in result.stderr
+    assert "secret" not in result.stdout + result.stderr
+
+
+def test_a_state_directory_that_is_a_file_or_under_one_is_a_problem(tmp_path: Path) -> None:
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a directory")
+    for state_dir, words in (
+        (afile, f"AGENT_STATE_DIR='{afile}' is not valid: it is a file, not a directory"),
+        (afile / "state", f"AGENT_STATE_DIR='{afile / 'state'}' is not valid: {afile} is a file, so no directory can be made under it"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            Config.load({"AGENT_STATE_DIR": str(state_dir)})
+        assert caught.value.problems == [words]
+    fresh = tmp_path / "a" / "b"
+    assert Config.load({"AGENT_STATE_DIR": str(fresh)}).state_dir == fresh
+    assert not (tmp_path / "a").exists()  # checking creates nothing
