@@ -130,6 +130,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model_api_key", "AGENT_MODEL_API_KEY", _non_empty, None, "bearer token for the model API", secret=True),
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
+    Setting(
+        "max_model_connections", "AGENT_MAX_MODEL_CONNECTIONS", _positive_int, "--max-model-connections",
+        "model requests open at once; more wait their turn",
+    ),  # fmt: skip
     Setting("orphans", "AGENT_ORPHANS", _orphans, "--orphans", "what to do with tasks a dead process left running: resume or fail"),
     Setting(
         "send_timeout_s", "AGENT_SEND_TIMEOUT_S", _positive_float, "--send-timeout-s",
@@ -148,6 +152,7 @@ class Config:
     model_api_key: str | None = attrs.field(default=None, repr=False)
     drain_timeout_s: float = 10.0
     max_model_calls: int = 12
+    max_model_connections: int = 100
     orphans: str = "resume"
     send_timeout_s: float = 30.0
     cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state

@@ -187,7 +187,10 @@ async def _model_clients(config: Config, in_process: InProcessModel | None) -> A
     if in_process is not None:
         yield in_process, in_process
         return
-    model_config = ModelConfig(base_url=config.model_base_url, model=config.model, api_key=config.model_api_key)
+    model_config = ModelConfig(
+        base_url=config.model_base_url, model=config.model, api_key=config.model_api_key,
+        max_connections=config.max_model_connections,
+    )  # fmt: skip
     # Readiness asks the catalog once, quickly: a probe that retried with backoff would make
     # /healthz slow exactly when the model server is down.
     probe_config = attrs.evolve(model_config, max_retries=0, connect_timeout_s=1.0, read_timeout_s=2.0)

@@ -54,6 +54,8 @@ class ModelConfig:
 
     ``read_timeout_s`` bounds each wait for data: for the answer to start and, when streaming,
     between two pieces of it. A bound on the whole call is the caller's ``trio.fail_after``.
+    At most ``max_connections`` requests are open at once; the others wait their turn for as
+    long as it takes (as a model server queues what it cannot run yet), never failing for it.
     """
 
     base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url)
@@ -64,6 +66,7 @@ class ModelConfig:
     max_retries: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     backoff_base_s: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     backoff_max_s: float = attrs.field(default=8.0, validator=attrs.validators.ge(0))
+    max_connections: int = attrs.field(default=100, validator=attrs.validators.ge(1))
 
     @property
     def endpoint(self) -> str:
@@ -80,7 +83,8 @@ async def open_model_client(config: ModelConfig) -> AsyncIterator[ModelClient]:
     Proxy settings are not read from the environment (nothing below ``main`` reads it); a local
     model server is reached directly.
     """
-    async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as http:
+    limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, limits=limits) as http:
         yield ModelClient(config, http)
 
 
@@ -148,9 +152,12 @@ class ModelClient:
     async def _open(self, method: str, path: str, body: dict[str, Any] | None, *, accept: str) -> httpx.Response:
         """Send with retries; returns a 2xx response whose body is unread. The caller closes it."""
         url = f"{self.config.base_url.rstrip('/')}/{path}"
+        # No bound on the wait for one of the pool's connections: with max_connections calls
+        # already open (a slow local model holds each for its whole answer), a call waits its
+        # turn instead of failing. Cancelling the caller ends the wait.
         timeout = httpx.Timeout(
             connect=self.config.connect_timeout_s, read=self.config.read_timeout_s,
-            write=self.config.read_timeout_s, pool=self.config.connect_timeout_s,
+            write=self.config.read_timeout_s, pool=None,
         )
         attempt = 0
         while True:

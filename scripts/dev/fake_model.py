@@ -117,6 +117,8 @@ class FakeModel:
     api_key: str | None = None
     received: list[Received] = attrs.field(init=False, factory=list)
     disconnects: int = attrs.field(init=False, default=0)
+    answering: int = attrs.field(init=False, default=0)  # chat requests being answered now
+    most_answering: int = attrs.field(init=False, default=0)  # the most there have been at once
     base_url: str = attrs.field(init=False, default="")
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
 
@@ -179,10 +181,15 @@ class FakeModel:
             return
         item = self.script.pop(0) if self.script else self.default
         exchange = _Exchange()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_disconnect, receive, exchange, nursery.cancel_scope)
-            await self._answer(item, request, send, exchange)
-            nursery.cancel_scope.cancel()
+        self.answering += 1
+        self.most_answering = max(self.most_answering, self.answering)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, receive, exchange, nursery.cancel_scope)
+                await self._answer(item, request, send, exchange)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.answering -= 1
 
     async def _watch_disconnect(self, receive: Receive, exchange: _Exchange, scope: trio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":

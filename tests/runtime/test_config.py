@@ -17,7 +17,8 @@ def test_config_defaults_match_a_local_ollama() -> None:
     assert (config.host, config.port, config.state_dir) == ("127.0.0.1", 8080, Path(".state"))
     assert (config.model_base_url, config.model) == ("http://127.0.0.1:11434/v1", "qwen3:4b-instruct")
     assert (config.drain_timeout_s, config.max_model_calls, config.orphans) == (10.0, 12, "resume")
-    assert config.send_timeout_s == 30.0
+    assert (config.send_timeout_s, config.max_model_connections) == (30.0, 100)
+    assert Config.load({"AGENT_MAX_MODEL_CONNECTIONS": "4"}).max_model_connections == 4
 
 
 def test_config_flags_override_their_environment_variables() -> None:

@@ -154,6 +154,25 @@ async def test_complete_replaces_text_that_is_not_unicode(fake_model: FakeModel)
     assert completion.message.tool_calls == (ToolCall("call_a", "search", '{"q": "\ufffd"}'),)
 
 
+async def test_calls_past_the_connection_limit_wait_their_turn_however_long_and_none_fails(fake_model: FakeModel) -> None:
+    # Each answer takes longer than the connect timeout, which once bounded the wait for one of
+    # the pool's connections too: the calls past the limit failed as timeouts.
+    fake_model.default = Reply(text="in turn", delay_s=0.5)
+    config = attrs.evolve(config_for(fake_model), max_connections=2, connect_timeout_s=0.1)
+    answers: list[str] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config) as client:
+
+            async def ask() -> None:
+                answers.append((await client.complete(ASK)).message.text)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(5):
+                    nursery.start_soon(ask)
+    assert answers == ["in turn"] * 5
+    assert fake_model.most_answering == 2
+
+
 async def test_stream_asks_for_usage_and_reports_it(fake_model: FakeModel) -> None:
     fake_model.script = [Reply(text="Counted.", prompt_tokens=31, completion_tokens=9)]
     with trio.fail_after(DEADLINE_S):
