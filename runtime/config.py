@@ -131,6 +131,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
     Setting(
+        "model_timeout_s", "AGENT_MODEL_TIMEOUT_S", _positive_float, "--model-timeout-s",
+        "how long the model may send nothing: before its answer starts, or between two pieces of it",
+    ),  # fmt: skip
+    Setting(
         "max_model_connections", "AGENT_MAX_MODEL_CONNECTIONS", _positive_int, "--max-model-connections",
         "model requests open at once; more wait their turn",
     ),  # fmt: skip
@@ -153,6 +157,7 @@ class Config:
     drain_timeout_s: float = 10.0
     max_model_calls: int = 12
     max_model_connections: int = 100
+    model_timeout_s: float = 60.0
     orphans: str = "resume"
     send_timeout_s: float = 30.0
     cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state

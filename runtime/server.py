@@ -189,7 +189,7 @@ async def _model_clients(config: Config, in_process: InProcessModel | None) -> A
         return
     model_config = ModelConfig(
         base_url=config.model_base_url, model=config.model, api_key=config.model_api_key,
-        max_connections=config.max_model_connections,
+        max_connections=config.max_model_connections, read_timeout_s=config.model_timeout_s,
     )  # fmt: skip
     # Readiness asks the catalog once, quickly: a probe that retried with backoff would make
     # /healthz slow exactly when the model server is down.

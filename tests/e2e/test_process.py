@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -97,6 +98,30 @@ async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(t
             await keel.terminate()
     # The step in flight was redone from the saved transcript: the same question, asked again.
     assert [m.get("content") for m in fake_model.bodies[-1]["messages"] if m["role"] == "user"] == ["Tell me slowly."]
+
+
+async def test_the_model_settings_hold_calls_to_one_at_a_time_and_bound_a_silent_model(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [Reply(text="first", delay_s=0.3), Reply(text="second", delay_s=0.3), Reply(text="late", delay_s=3)]
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url, "--max-model-connections", "1", "--model-timeout-s", "1") as keel:
+            answers: list[dict[str, Any]] = []
+
+            async def ask(text: str) -> None:
+                answers.append(await rpc(client, keel.url, "SendMessage", {"message": user_message(text)}))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, "one")
+                nursery.start_soon(ask, "two")
+            assert [a["result"]["task"]["status"]["state"] for a in answers] == ["TASK_STATE_COMPLETED"] * 2
+            assert fake_model.most_answering == 1  # the second call waited for the first
+            late = (await rpc(client, keel.url, "SendMessage", {"message": user_message("three")}))["result"]["task"]
+            assert late["status"]["state"] == "TASK_STATE_FAILED"
+            said = late["status"]["message"]["parts"][0]["text"]
+            assert "timed out" in said and "1s" in said, said
+            assert await keel.terminate() == 0
 
 
 async def test_with_orphans_fail_a_task_left_working_by_a_sigkill_is_failed_with_the_reason(

@@ -19,6 +19,7 @@ def test_config_defaults_match_a_local_ollama() -> None:
     assert (config.drain_timeout_s, config.max_model_calls, config.orphans) == (10.0, 12, "resume")
     assert (config.send_timeout_s, config.max_model_connections) == (30.0, 100)
     assert Config.load({"AGENT_MAX_MODEL_CONNECTIONS": "4"}).max_model_connections == 4
+    assert (config.model_timeout_s, Config.load({}, {"model_timeout_s": "300"}).model_timeout_s) == (60.0, 300.0)
 
 
 def test_config_flags_override_their_environment_variables() -> None:
