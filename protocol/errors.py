@@ -172,10 +172,11 @@ class InvalidTransition(UnsupportedOperation):
 
 
 class ContentTypeNotSupported(ProtocolError):
-    def __init__(self, media_type: str, supported: Sequence[str] = ()) -> None:
+    def __init__(self, media_type: str, supported: Sequence[str] = (), *, problem: str = "") -> None:
+        """``problem``, if given, says what is wrong in place of the default words."""
         self.media_type = media_type
         accepted = f"; this agent accepts {', '.join(map(repr, supported))}" if supported else ""
-        super().__init__(f"content type {media_type!r} is not supported{accepted}")
+        super().__init__(problem or f"content type {media_type!r} is not supported{accepted}")
 
 
 class ExtendedAgentCardNotConfigured(ProtocolError):

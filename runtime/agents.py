@@ -8,6 +8,7 @@ from typing import Any
 
 from protocol import AgentCapabilities, AgentCard, AgentInterface, AgentSkill
 from runtime.agent import AgentSpec, Tool
+from runtime.tasks import INPUT_MODES
 
 SYSTEM_PROMPT = (
     "You are Keel, a careful assistant. Answer plainly and briefly. Use a tool when it gives you a fact "
@@ -58,7 +59,7 @@ def agent_card(url: str) -> AgentCard:
             AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="0.3"),
         ),
         capabilities=AgentCapabilities(streaming=True, push_notifications=False),
-        default_input_modes=("text/plain",),
+        default_input_modes=INPUT_MODES,
         default_output_modes=("text/plain",),
         skills=(
             AgentSkill(

@@ -50,6 +50,7 @@ from runtime.tasks import (
     load,
     message_text,
     new_id,
+    readable_text,
     now,
     with_status,
 )
@@ -154,6 +155,7 @@ class Runner:
         message = params.message
         if message.task_id:
             return await self._to_existing(owner, message.task_id, params)
+        readable_text(message)
         self._refuse_if_stopping()
         task_id = new_id()
         context_id = message.context_id or new_id()
@@ -183,9 +185,7 @@ class Runner:
         if state.is_terminal:
             raise TaskIsTerminal(task_id, state.value, "take a message")
         message = attrs.evolve(message, context_id=task.context_id)
-        text = message_text(message)
-        if not text.strip():
-            raise InvalidParams("message.parts", "at least one part with text or data")
+        text = readable_text(message)
         # A message to a working task is a steer: stored for the session, taken exactly once
         # before the run's next model request, wherever that run is.
         await self.sessions.add_steer(task.context_id, text)

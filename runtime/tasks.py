@@ -19,6 +19,9 @@ from persistence.api import TaskRecord, TaskStore
 from persistence.locks import holding
 from protocol import (
     END_NOT_STORED,
+    ContentTypeNotSupported,
+    FilePart,
+    InvalidParams,
     Message,
     ProtocolError,
     ProtocolVersion,
@@ -77,6 +80,29 @@ def agent_message(task: Task, text: str) -> Message:
     return Message(
         message_id=new_id(), role=Role.AGENT, parts=(TextPart(text),), task_id=task.id, context_id=task.context_id
     )
+
+
+# What message_text reads (the agent card's defaultInputModes): text parts, and data parts as JSON.
+INPUT_MODES = ("text/plain", "application/json")
+
+
+def readable_text(message: Message) -> str:
+    """A client's message as text for the model. A file part is refused (ContentTypeNotSupported):
+    the model would never see it, and an answer that silently left it out would mislead. So is a
+    message with nothing to read (InvalidParams)."""
+    for index, part in enumerate(message.parts):
+        if isinstance(part, FilePart):
+            media_type = part.media_type or "application/octet-stream"
+            named = f" {part.filename!r}" if part.filename else ""
+            raise ContentTypeNotSupported(
+                media_type, INPUT_MODES,
+                problem=f"message.parts[{index}] is a file{named} ({media_type}), which this agent cannot read; "
+                "it reads text and data parts: send what the file says as text",
+            )  # fmt: skip
+    text = message_text(message)
+    if not text.strip():
+        raise InvalidParams("message.parts", "at least one part with text or data")
+    return text
 
 
 def message_text(message: Message) -> str:

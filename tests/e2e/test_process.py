@@ -100,6 +100,18 @@ async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(t
     assert [m.get("content") for m in fake_model.bodies[-1]["messages"] if m["role"] == "user"] == ["Tell me slowly."]
 
 
+async def test_the_served_agent_card_says_what_the_agent_reads_and_where_it_listens(tmp_path: Path, fake_model: FakeModel) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(tmp_path / "state", fake_model.base_url) as keel:
+            response = await client.get(keel.url + ".well-known/agent-card.json")
+            assert await keel.terminate() == 0
+    card = response.json()
+    assert card["name"] == "Keel"
+    assert card["defaultInputModes"] == ["text/plain", "application/json"]  # text parts, and data parts
+    assert card["capabilities"] == {"streaming": True, "pushNotifications": False}
+    assert [(i["url"], i["protocolVersion"]) for i in card["supportedInterfaces"]] == [(keel.url, "1.0"), (keel.url, "0.3")]
+
+
 async def test_the_model_settings_hold_calls_to_one_at_a_time_and_bound_a_silent_model(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:

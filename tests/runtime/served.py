@@ -31,6 +31,7 @@ from runtime.agent import AgentSpec, Tool
 from runtime.models import ModelClient, ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig
 from runtime.surface import Health, Readiness, SurfaceConfig, create_app
+from runtime.tasks import INPUT_MODES
 
 GATE_CALL = Call(name="wait_for_gate")
 DEADLINE_S = 10.0  # every wait in these tests is on loopback; this only bounds a broken one
@@ -50,7 +51,7 @@ def card_for_tests(endpoint_url: str) -> AgentCard:
             AgentInterface(url=endpoint_url, protocol_binding="JSONRPC", protocol_version="0.3"),
         ],
         capabilities=AgentCapabilities(streaming=True, push_notifications=False),
-        default_input_modes=["text/plain"],
+        default_input_modes=list(INPUT_MODES),
         default_output_modes=["text/plain"],
         skills=[AgentSkill(id="triage", name="Incident triage", description="Finds what broke.", tags=["incident"])],
     )

@@ -141,6 +141,46 @@ async def test_send_to_a_terminal_task_is_unsupported_operation(keel: Served, ve
 
 
 @BOTH
+async def test_a_file_the_agent_cannot_read_is_refused_naming_it_and_nothing_is_stored(keel: Served, version: str | None) -> None:
+    text = {"text": "What does the report say?"} if version == V1 else {"kind": "text", "text": "What does the report say?"}
+    file = (
+        {"raw": "UmVwb3J0", "filename": "report.pdf", "mediaType": "application/pdf"}
+        if version == V1
+        else {"kind": "file", "file": {"bytes": "UmVwb3J0", "name": "report.pdf", "mimeType": "application/pdf"}}
+    )
+    sent = {**message("", version), "parts": [text, file]}
+    error = await keel.error(SEND[version], {"message": sent}, version=version)
+    check_error(error, -32005, version, "CONTENT_TYPE_NOT_SUPPORTED")
+    assert error["message"] == (
+        "message.parts[1] is a file 'report.pdf' (application/pdf), which this agent cannot read; "
+        "it reads text and data parts: send what the file says as text"
+    )
+    assert keel.model.bodies == []
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 0
+
+
+async def test_a_message_with_nothing_to_read_is_invalid_params(keel: Served) -> None:
+    error = await keel.error("SendMessage", {"message": message("   ", V1)})
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert "'message.parts' must be at least one part with text or data" in error["message"]
+    assert keel.model.bodies == []
+
+
+async def test_a_file_sent_to_a_working_task_is_refused_and_the_run_goes_on_unsteered(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+    task = await keel.send("Investigate.", blocking=False)
+    await keel.gate.wait_entered()
+    steer = {**message("", V1, taskId=task["id"]), "parts": [{"url": "https://files.example/dump.bin"}]}
+    error = await keel.error("SendMessage", {"message": steer})
+    check_error(error, -32005, V1, "CONTENT_TYPE_NOT_SUPPORTED")
+    assert "application/octet-stream" in error["message"]
+    keel.gate.opened.set()
+    done = await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    assert done.status.state.value == "completed"
+    assert [m["content"] for m in keel.model.bodies[1]["messages"] if m["role"] == "user"] == ["Investigate."]
+
+
+@BOTH
 async def test_a_context_that_contradicts_the_task_is_invalid_params(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(text="ok")]
     done = await keel.send("one", version=version)
