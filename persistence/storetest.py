@@ -453,7 +453,8 @@ async def a_task_utf8_cannot_hold_is_refused_by_name_and_fails_no_other_write(ba
                 refused.append(exc)
 
         async with trio.open_nursery() as nursery:  # queued together, as one batch would be
-            nursery.start_soon(attempt, lambda: store.update("alice", "t1", state=WORKING, task_json='"' + LONE + '"', expected_version=1))
+            bad_json = '"' + LONE + '"'
+            nursery.start_soon(attempt, lambda: store.update("alice", "t1", state=WORKING, task_json=bad_json, expected_version=1))
             nursery.start_soon(attempt, lambda: make_task(store, "t2", context_id="ctx-" + LONE))
             for k in range(5):
                 nursery.start_soon(make_task, store, f"neighbour-{k}")
@@ -468,6 +469,7 @@ async def a_task_utf8_cannot_hold_is_refused_by_name_and_fails_no_other_write(ba
             pass
         else:
             raise AssertionError("a task id no store can hold was found")
+        assert (await store.list("alice", context_id="ctx-" + LONE)).total_size == 0
 
 
 @task_check

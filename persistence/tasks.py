@@ -190,6 +190,8 @@ class SqliteTaskStore(WriterBacked):
     ) -> TaskPage:
         check_page_size(page_size)
         after = decode_page_token(page_token) if page_token else None
+        if any(lone_surrogate(text) for text in (owner, context_id or "", state or "")):
+            return TaskPage(records=(), next_page_token="", total_size=0)  # no such text is ever stored
         filters = {"context_id": context_id, "state": state, "updated_at_ms": updated_after_ms}
         # One read transaction, so the count and the page agree.
         return await self.pool.run(_read_txn, _list_txn, owner, filters, page_size, after)

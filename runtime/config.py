@@ -102,7 +102,8 @@ def _state_dir(text: str) -> Path:
     if not existing.is_dir():
         raise ValueError(f"{existing} is a file, so no directory can be made under it")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"this user cannot write in {existing}" + ("" if existing == path.absolute() else ", so it cannot be created"))
+        consequence = "" if existing == path.absolute() else ", so it cannot be created"
+        raise ValueError(f"this user cannot write in {existing}{consequence}")
     return path
 
 

@@ -50,8 +50,8 @@ from runtime.tasks import (
     load,
     message_text,
     new_id,
-    readable_text,
     now,
+    readable_text,
     with_status,
 )
 
