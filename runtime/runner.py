@@ -26,6 +26,7 @@ from protocol import (
     InvalidParams,
     ListTasksParams,
     ListTasksResult,
+    PushNotificationNotSupported,
     SendMessageParams,
     StreamCut,
     Task,
@@ -153,6 +154,9 @@ class Runner:
     async def send(self, owner: str, params: SendMessageParams) -> Task:
         """A new task (SUBMITTED, durable before this returns), or a steer for a working one."""
         message = params.message
+        if params.configuration.push_notification_config is not None:
+            # The card says there are none: a webhook taken and never called would be worse.
+            raise PushNotificationNotSupported()
         if message.task_id:
             return await self._to_existing(owner, message.task_id, params)
         readable_text(message)

@@ -159,6 +159,19 @@ async def test_a_file_the_agent_cannot_read_is_refused_naming_it_and_nothing_is_
     assert (await keel.result("ListTasks", {}))["totalSize"] == 0
 
 
+@BOTH
+@pytest.mark.parametrize("streaming", [False, True], ids=["send", "stream"])
+async def test_a_send_asking_for_push_notifications_is_refused_and_starts_nothing(
+    keel: Served, version: str | None, streaming: bool
+) -> None:
+    field = "taskPushNotificationConfig" if version == V1 else "pushNotificationConfig"
+    method = {V1: "SendStreamingMessage", V03: "message/stream"}[version] if streaming else SEND[version]
+    params = {"message": message("Tell me when it is done.", version), "configuration": {field: {"url": "https://client.example/hook"}}}
+    check_error(await keel.error(method, params, version=version), -32003, version, "PUSH_NOTIFICATION_NOT_SUPPORTED")
+    assert keel.model.bodies == []
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 0
+
+
 async def test_a_message_with_nothing_to_read_is_invalid_params(keel: Served) -> None:
     error = await keel.error("SendMessage", {"message": message("   ", V1)})
     check_error(error, -32602, V1, "INVALID_PARAMS")
