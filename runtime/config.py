@@ -79,6 +79,15 @@ def _url(text: str) -> str:
     return text.rstrip("/")
 
 
+def _public_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or parts.username:
+        raise ValueError(
+            "it must be an http:// or https:// URL with a host, and no credentials or query, like https://agents.example/keel"
+        )
+    return _url(text)
+
+
 def without_credentials(url: str) -> str:
     """``url`` as it may be shown: a password in it, and the values of its query (where some
     APIs take their key), replaced by ``***``."""
@@ -128,6 +137,11 @@ SETTINGS: tuple[Setting, ...] = (
         show=without_credentials,
     ),  # fmt: skip
     Setting("model", "AGENT_MODEL", _non_empty, "--model", "the model to ask"),
+    Setting(
+        "public_url", "AGENT_PUBLIC_URL", _public_url, "--public-url",
+        "where clients reach this server, for the agent card (behind a proxy); unset: the address a request came in on",
+        show=without_credentials,
+    ),  # fmt: skip
     Setting("model_api_key", "AGENT_MODEL_API_KEY", _non_empty, None, "bearer token for the model API", secret=True),
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
@@ -159,6 +173,7 @@ class Config:
     max_model_calls: int = 12
     max_model_connections: int = 100
     model_timeout_s: float = 60.0
+    public_url: str | None = None
     orphans: str = "resume"
     send_timeout_s: float = 30.0
     cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state

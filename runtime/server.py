@@ -42,7 +42,7 @@ from runtime.agents import agent_card, default_agent
 from runtime.config import Config
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig
-from runtime.surface import Health, Readiness, create_app
+from runtime.surface import Health, Readiness, SurfaceConfig, create_app
 from runtime.surface.health import ModelCatalog
 
 logger = logging.getLogger(__name__)
@@ -144,7 +144,10 @@ async def _serve_in(
             async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 try:
                     await hypercorn.trio.serve(
-                        create_app(runner=runner, card_for=agent_card, health=health, readiness=readiness),
+                        create_app(
+                            runner=runner, card_for=agent_card, health=health, readiness=readiness,
+                            config=SurfaceConfig(public_url=config.public_url),
+                        ),  # fmt: skip
                         _http_config(config),
                         shutdown_trigger=drain_then_close_http,
                         task_status=task_status,

@@ -60,6 +60,9 @@ class SurfaceConfig:
     max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
     keepalive_s: float = attrs.field(default=15.0, validator=attrs.validators.gt(0))
     """How long a stream may stay silent before it sends a keep-alive comment."""
+    public_url: str | None = None
+    """Where clients reach the server (through a proxy that ends TLS, say): the agent card names
+    it, rather than the address a request came in on."""
 
 
 def create_app(
@@ -71,7 +74,7 @@ def create_app(
     rpc = JsonRpcEndpoint(runner, ANONYMOUS, config.max_body_bytes, config.keepalive_s)
     for index, path in enumerate(_rpc_paths(config.rpc_path)):
         app.add_url_rule(path, f"jsonrpc{index}", rpc.handle, methods=["POST"], strict_slashes=False)
-    app.add_url_rule(CARD_PATH, "agent_card", CardEndpoint(card_for, config.rpc_path).handle, methods=["GET"])
+    app.add_url_rule(CARD_PATH, "agent_card", CardEndpoint(card_for, config.rpc_path, config.public_url).handle, methods=["GET"])
     app.add_url_rule("/livez", "livez", _alive, methods=["GET"])
     app.add_url_rule("/healthz", "healthz", _Readiness(health).handle, methods=["GET"])
 

@@ -3,7 +3,8 @@
 The server builds the card (name, description, skills, interfaces); this module only serves it.
 ``card_for`` receives the URL of the JSON-RPC endpoint as the client reached it, so the card
 names an address that works from where the client stands. That URL comes from the request's
-Host header: a card built from it is only ever shown to the client that sent that header.
+Host header: a card built from it is only ever shown to the client that sent that header. A
+server behind a proxy is given its public URL instead, and every card names that.
 
 Served with an ETag and a short ``Cache-Control`` (spec 1.0 §8.6.1), and no CORS headers.
 """
@@ -29,9 +30,11 @@ CACHE_CONTROL = "public, max-age=300"
 class CardEndpoint:
     card_for: CardFor
     rpc_path: str
+    public_url: str | None = None
 
     async def handle(self) -> Response:
-        endpoint_url = urljoin(request.host_url, self.rpc_path.lstrip("/"))
+        base = request.host_url if self.public_url is None else self.public_url.rstrip("/") + "/"
+        endpoint_url = urljoin(base, self.rpc_path.lstrip("/"))
         body = encode_json(self.card_for(endpoint_url).well_known_json())
         response = Response(body, status=200, content_type="application/json")
         response.headers["Cache-Control"] = CACHE_CONTROL

@@ -105,11 +105,16 @@ async def test_the_served_agent_card_says_what_the_agent_reads_and_where_it_list
         async with keel_process(tmp_path / "state", fake_model.base_url) as keel:
             response = await client.get(keel.url + ".well-known/agent-card.json")
             assert await keel.terminate() == 0
-    card = response.json()
-    assert card["name"] == "Keel"
-    assert card["defaultInputModes"] == ["text/plain", "application/json"]  # text parts, and data parts
-    assert card["capabilities"] == {"streaming": True, "pushNotifications": False}
-    assert [(i["url"], i["protocolVersion"]) for i in card["supportedInterfaces"]] == [(keel.url, "1.0"), (keel.url, "0.3")]
+        card = response.json()
+        assert card["name"] == "Keel"
+        assert card["defaultInputModes"] == ["text/plain", "application/json"]  # text parts, and data parts
+        assert card["capabilities"] == {"streaming": True, "pushNotifications": False}
+        assert [(i["url"], i["protocolVersion"]) for i in card["supportedInterfaces"]] == [(keel.url, "1.0"), (keel.url, "0.3")]
+        # Behind a proxy that ends TLS, the card names where clients reach the server.
+        async with keel_process(tmp_path / "state", fake_model.base_url, "--public-url", "https://agents.example/keel/") as keel:
+            card = (await client.get(keel.url + ".well-known/agent-card.json")).json()
+            assert await keel.terminate() == 0
+        assert {i["url"] for i in card["supportedInterfaces"]} == {"https://agents.example/keel/"}
 
 
 async def test_the_model_settings_hold_calls_to_one_at_a_time_and_bound_a_silent_model(

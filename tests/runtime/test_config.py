@@ -114,3 +114,13 @@ def test_a_state_directory_that_is_a_file_or_under_one_is_a_problem(tmp_path: Pa
     fresh = tmp_path / "a" / "b"
     assert Config.load({"AGENT_STATE_DIR": str(fresh)}).state_dir == fresh
     assert not (tmp_path / "a").exists()  # checking creates nothing
+
+
+def test_a_public_url_is_an_address_clients_can_reach() -> None:
+    assert Config.load({"AGENT_PUBLIC_URL": "https://agents.example/keel/"}).public_url == "https://agents.example/keel"
+    assert Config.load({}).public_url is None
+    for bad in ("agents.example", "https://agents.example/?x=1", "https://user:pw@agents.example/"):
+        with pytest.raises(ConfigError) as caught:
+            Config.load({"AGENT_PUBLIC_URL": bad})
+        assert "no credentials or query, like https://agents.example/keel" in str(caught.value)
+        assert "pw" not in str(caught.value)
