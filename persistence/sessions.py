@@ -25,6 +25,7 @@ from persistence.validate import (
     check_steer,
     checked_append,
     decode_messages,
+    lone_surrogate,
     plan_save,
 )
 from persistence.errors import TranscriptConflict
@@ -91,6 +92,8 @@ def _ensure_txn(conn: sqlite3.Connection, session_id: str, app_name: str, user_i
 
 
 def _length_txn(conn: sqlite3.Connection, session_id: str) -> int:
+    if lone_surrogate(session_id):  # never stored: refused on the way in (and unbindable)
+        return 0
     # One seek in the primary key's index: a session's length is where its events end.
     (length,) = conn.execute(
         "SELECT coalesce(max(seq) + 1, 0) FROM events WHERE session_id = ?", (session_id,)
@@ -204,7 +207,7 @@ def _save_txn(
 
 
 def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str) -> list[str]:
-    if session_id in lengths.no_steers:
+    if session_id in lengths.no_steers or lone_surrogate(session_id):
         return []
     rows = conn.execute("SELECT id, text FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
     if rows:
@@ -266,7 +269,9 @@ class SqliteSessionStore(WriterBacked):
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         rows = await self.pool.run(
-            lambda conn: conn.execute(
+            lambda conn: []
+            if lone_surrogate(session_id)
+            else conn.execute(
                 "SELECT seq, author, created_at_ms, content FROM events WHERE session_id = ? AND seq > ? ORDER BY seq",
                 (session_id, after),
             ).fetchall()
@@ -299,10 +304,7 @@ class SqliteSessionStore(WriterBacked):
         return len(self._locks)
 
     async def get_state(self, session_id: str) -> dict[str, object]:
-        row = await self.pool.run(
-            lambda conn: conn.execute("SELECT state FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
-        )
-        return {} if row is None else dict(json.loads(row[0]))
+        return await self._read_json("SELECT state FROM sessions WHERE session_id = ?", (session_id,))
 
     async def set_state(self, session_id: str, state: dict[str, object]) -> None:
         check_session_id(session_id)
@@ -341,7 +343,7 @@ class SqliteSessionStore(WriterBacked):
         )
 
     async def _read_json(self, sql: str, key: tuple[str, ...]) -> dict[str, object]:
-        row = await self.pool.run(lambda conn: conn.execute(sql, key).fetchone())
+        row = await self.pool.run(lambda conn: None if any(map(lone_surrogate, key)) else conn.execute(sql, key).fetchone())
         return {} if row is None else dict(json.loads(row[0]))
 
     async def _write_json(self, sql: str, key: tuple[str, ...], state: dict[str, object]) -> None:

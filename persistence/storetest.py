@@ -326,6 +326,10 @@ async def text_utf8_cannot_hold_is_refused_by_name_and_index_and_fails_no_other_
             else:
                 raise AssertionError(f"text holding a lone surrogate was accepted ({words})")
         assert await store.messages("conv-u") == [] and await store.take_steers("conv-u") == []
+        # Nothing holding one is ever stored, so reading by one finds nothing.
+        unheld = "conv-" + LONE
+        assert (await store.events(unheld), await store.length(unheld), await store.take_steers(unheld)) == ([], 0, [])
+        assert await store.get_state(unheld) == {} and await store.get_app_state(LONE) == {}
 
 
 @session_check
