@@ -287,7 +287,7 @@ LONE = "\ud800"  # a lone UTF-16 surrogate: a Python string can hold one (JSON's
 @session_check
 async def text_utf8_cannot_hold_is_refused_by_name_and_index_and_fails_no_other_write(backend: Backend) -> None:
     async with backend.sessions() as store:
-        bad_append: list[Exception] = []
+        bad_append: list[InvalidEvent] = []
 
         async def append_bad() -> None:
             try:

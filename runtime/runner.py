@@ -26,6 +26,7 @@ from protocol import (
     InvalidParams,
     ListTasksParams,
     ListTasksResult,
+    Message,
     PushNotificationNotSupported,
     SendMessageParams,
     StreamCut,

@@ -84,8 +84,8 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
         trio.run(functools.partial(_main, config, **options))
     except* (StoreError, OSError) as group:  # startup refused: say why, no traceback
         failures.extend(_leaves(group))
-    for exc in failures:
-        print(f"error: {exc}", file=sys.stderr)
+    for failure in failures:
+        print(f"error: {failure}", file=sys.stderr)
     return 1 if failures else 0
 
 
