@@ -96,7 +96,12 @@ class TaskPage:
 
 
 class TaskStore(Protocol):
-    async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord: ...
+    async def create(
+        self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str, message_id: str | None = None
+    ) -> TaskRecord:
+        """A new task at version 1. ``message_id``: the id of the message that starts it, which
+        starts no other task of this owner (MessageTaken names the one it did start)."""
+        ...
 
     async def get(self, owner: str, task_id: str) -> TaskRecord: ...
 

@@ -6,6 +6,7 @@ StoreError
 ├── TranscriptConflict   a save that does not extend the stored transcript
 ├── InvalidTask          a task whose id or columns cannot be stored; nothing was written
 ├── TaskExists           create() with an id that is already taken
+├── MessageTaken         create() with a first message id the owner's other task already has
 ├── TaskNotFound         no such task for this owner
 ├── VersionConflict      update() with a stale version
 ├── InvalidPage          a page size or page token that cannot be used
@@ -49,6 +50,13 @@ class TaskExists(StoreError):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
         super().__init__(f"task {task_id!r} already exists")
+
+
+class MessageTaken(StoreError):
+    def __init__(self, message_id: str, task_id: str) -> None:
+        self.message_id = message_id
+        self.task_id = task_id  # the task that has it
+        super().__init__(f"message {message_id!r} already started task {task_id!r}")
 
 
 class TaskNotFound(StoreError):

@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from persistence.api import DEFAULT_APP_NAME, Event, TaskPage, TaskRecord
-from persistence.errors import StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
+from persistence.errors import MessageTaken, StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
 from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
 from persistence.tasks import UNFINISHED_STATES, check_page_size, decode_page_token, encode_page_token
@@ -162,15 +162,23 @@ class MemorySessionStore(_Closable):
 
 @attrs.define(eq=False)
 class MemoryTaskStore(_Closable):
-    """Tasks in a dict; pass another store's ``tasks`` to share them, as two processes would."""
+    """Tasks in a dict; pass another store's ``tasks`` and ``started_by`` to share them, as two
+    processes would."""
 
     tasks: dict[str, TaskRecord] = attrs.field(factory=dict)
+    started_by: dict[tuple[str, str], str] = attrs.field(factory=dict)  # (owner, first message id) -> task id
 
-    async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord:
-        check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json)
+    async def create(
+        self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str, message_id: str | None = None
+    ) -> TaskRecord:
+        check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
         await self._enter()
+        if message_id is not None and (owner, message_id) in self.started_by:
+            raise MessageTaken(message_id, self.started_by[owner, message_id])
         if task_id in self.tasks:
             raise TaskExists(task_id)
+        if message_id is not None:
+            self.started_by[owner, message_id] = task_id
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,

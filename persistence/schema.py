@@ -14,7 +14,7 @@ import attrs
 # The schemas this build can open, with the newest version it understands.
 KNOWN_SCHEMAS: dict[str, int] = {
     "keel.sessions": 1,  # runtime.db
-    "keel.tasks": 1,  # tasks.db
+    "keel.tasks": 2,  # tasks.db
 }
 
 META_DDL = "CREATE TABLE IF NOT EXISTS schema_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"

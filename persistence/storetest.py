@@ -22,6 +22,7 @@ from persistence.errors import (
     InvalidEvent,
     InvalidPage,
     InvalidTask,
+    MessageTaken,
     StoreClosed,
     TaskExists,
     TaskNotFound,
@@ -474,6 +475,39 @@ async def a_task_utf8_cannot_hold_is_refused_by_name_and_fails_no_other_write(ba
         else:
             raise AssertionError("a task id no store can hold was found")
         assert (await store.list("alice", context_id="ctx-" + LONE)).total_size == 0
+
+
+@task_check
+async def a_message_starts_one_task_per_owner_and_a_second_start_names_the_first(backend: Backend) -> None:
+    async with backend.tasks() as one, backend.tasks() as two:
+        first = await one.create("alice", task_id="t1", context_id="c", state=SUBMITTED, task_json="{}", message_id="m1")
+        outcomes: list[object] = []
+
+        async def start(store: TaskStore, n: int) -> None:
+            try:
+                await store.create("alice", task_id=f"again-{n}", context_id="c", state=SUBMITTED, task_json="{}", message_id="m1")
+                outcomes.append("created")
+            except MessageTaken as exc:
+                outcomes.append((exc.message_id, exc.task_id))
+
+        async with trio.open_nursery() as nursery:  # two stores, as two processes would be
+            for n in range(4):
+                nursery.start_soon(start, one if n % 2 else two, n)
+        assert outcomes == [("m1", "t1")] * 4
+        assert "'m1'" in str(MessageTaken("m1", "t1")) and "'t1'" in str(MessageTaken("m1", "t1"))
+        # Another owner's message of that id, another id, and tasks with none are all free.
+        await two.create("bob", task_id="b1", context_id="c", state=SUBMITTED, task_json="{}", message_id="m1")
+        await two.create("alice", task_id="t2", context_id="c", state=SUBMITTED, task_json="{}", message_id="m2")
+        for n in range(2):
+            await one.create("alice", task_id=f"none-{n}", context_id="c", state=SUBMITTED, task_json="{}")
+        assert await one.get("alice", "t1") == first
+        assert (await two.list("alice")).total_size == 4
+        try:  # a taken task id is still TaskExists, whatever the message
+            await one.create("alice", task_id="t1", context_id="c", state=SUBMITTED, task_json="{}", message_id="m9")
+        except TaskExists:
+            pass
+        else:
+            raise AssertionError("a duplicate task id was accepted")
 
 
 @task_check

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from persistence.api import TaskPage, TaskRecord
-from persistence.errors import InvalidPage, TaskExists, TaskNotFound, VersionConflict
+from persistence.errors import InvalidPage, MessageTaken, TaskExists, TaskNotFound, VersionConflict
 from persistence.sessions import now_ms
 from persistence.sqlite import Schema, SqlitePool, execute_ddl
 from persistence.validate import check_task, lone_surrogate
@@ -44,7 +44,20 @@ def _v1(conn: sqlite3.Connection) -> None:
     )
 
 
-TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1,), tables=("tasks",))
+def _v2(conn: sqlite3.Connection) -> None:
+    # The id of the message that started a task: a client that sends it again (its answer lost
+    # to a broken connection or a crash) gets the same task back instead of a second run. Tasks
+    # from before have none.
+    execute_ddl(
+        conn,
+        """
+        ALTER TABLE tasks ADD COLUMN message_id TEXT;
+        CREATE UNIQUE INDEX tasks_by_message ON tasks (owner, message_id) WHERE message_id IS NOT NULL;
+        """,
+    )
+
+
+TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2), tables=("tasks",))
 
 _COLUMNS = "id, context_id, owner, state, version, created_at_ms, updated_at_ms, task"
 
@@ -81,14 +94,19 @@ def decode_page_token(token: str) -> tuple[int, str]:
     return updated, task_id
 
 
-def _create_txn(conn: sqlite3.Connection, record: TaskRecord) -> TaskRecord:
+def _create_txn(conn: sqlite3.Connection, record: TaskRecord, message_id: str | None) -> TaskRecord:
     try:
         conn.execute(
-            f"INSERT INTO tasks ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO tasks ({_COLUMNS}, message_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (record.id, record.context_id, record.owner, record.state, record.version,
-             record.created_at_ms, record.updated_at_ms, record.task_json),
+             record.created_at_ms, record.updated_at_ms, record.task_json, message_id),
         )  # fmt: skip
     except sqlite3.IntegrityError as exc:
+        found = conn.execute(
+            "SELECT id FROM tasks WHERE owner = ? AND message_id = ?", (record.owner, message_id)
+        ).fetchone()
+        if found is not None:
+            raise MessageTaken(str(message_id), found[0]) from exc
         raise TaskExists(record.id) from exc
     return record
 
@@ -151,14 +169,16 @@ class SqliteTaskStore(WriterBacked):
     async def open(cls, path: Path, *, synchronous: str = "FULL") -> SqliteTaskStore:
         return cls(pool=await SqlitePool.open(path, TASKS_SCHEMA, synchronous=synchronous))
 
-    async def create(self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str) -> TaskRecord:
-        check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json)
+    async def create(
+        self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str, message_id: str | None = None
+    ) -> TaskRecord:
+        check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
             created_at_ms=now, updated_at_ms=now, task_json=task_json,
         )  # fmt: skip
-        return await self._writer.submit(_create_txn, record)
+        return await self._writer.submit(_create_txn, record, message_id)
 
     async def get(self, owner: str, task_id: str) -> TaskRecord:
         if lone_surrogate(task_id) or lone_surrogate(owner):  # no such text is ever stored

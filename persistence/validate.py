@@ -122,7 +122,7 @@ def check_task(task_id: str, **columns: str) -> None:
             raise InvalidTask(task_id, f"its {_TASK_COLUMNS.get(column, column)} {reason}")
 
 
-_TASK_COLUMNS = {"context_id": "context id", "task_json": "JSON"}
+_TASK_COLUMNS = {"context_id": "context id", "task_json": "JSON", "message_id": "first message's id"}
 
 
 def plan_save(

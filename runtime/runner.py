@@ -169,13 +169,33 @@ class Runner:
             id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
             history=(message,), metadata=params.metadata,
         )  # fmt: skip
-        record = await self.tasks.create(
-            owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
-            task_json=encode(task),
-        )  # fmt: skip
+        try:
+            record = await self.tasks.create(
+                owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
+                task_json=encode(task), message_id=message.message_id,
+            )  # fmt: skip
+        except store_errors.MessageTaken as taken:
+            return await self._sent_before(owner, params.message, taken.task_id)
         if context_id != params.message.context_id:  # minted here
             self._fresh[context_id] = task_id
         self._start(self._live_task(owner, task, record.version))
+        return task
+
+    async def _sent_before(self, owner: str, message: Message, task_id: str) -> Task:
+        """The task a message already started: a client sending it again (its answer lost to a
+        broken connection, or to a crash of the process that took it) gets that task back, as it
+        stands, and no second run. The same id with other words is a mistake, said as such."""
+        task = await self.get(owner, task_id)
+        first = task.history[0]
+        # Compared as stored, so that what storing normalises (an empty metadata, say) does not
+        # make the same message look like another.
+        same_parts = [p.to_json(STORED_VERSION) for p in message.parts] == [p.to_json(STORED_VERSION) for p in first.parts]
+        if not same_parts or message.context_id not in (None, "", task.context_id):
+            raise InvalidParams(
+                "message.messageId",
+                problem=f"{message.message_id!r} was sent before with other content, and started task {task_id!r}; "
+                "a new message needs a new messageId",
+            )
         return task
 
     def _live_task(self, owner: str, task: Task, version: int) -> LiveTask:

@@ -141,6 +141,29 @@ async def test_the_model_settings_hold_calls_to_one_at_a_time_and_bound_a_silent
             assert await keel.terminate() == 0
 
 
+async def test_a_message_sent_again_after_a_crash_gets_the_task_it_started_not_a_second_one(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [Reply(text="never done", hang_after_chunks=1)]
+    fake_model.default = Reply(text="The one answer.")
+    state = tmp_path / "state"
+    question = user_message("Is checkout down?")
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url) as keel:
+            sent = await rpc(client, keel.url, "SendMessage", {"message": question, "configuration": {"returnImmediately": True}})
+            task_id = sent["result"]["task"]["id"]
+            await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+            assert await keel.kill() == -9  # as if before its answer reached the client
+        async with keel_process(state, fake_model.base_url) as keel:
+            again = (await rpc(client, keel.url, "SendMessage", {"message": question}))["result"]["task"]
+            assert (again["id"], again["status"]["state"]) == (task_id, "TASK_STATE_COMPLETED")
+            assert again["artifacts"][0]["parts"] == [{"text": "The one answer."}]
+            assert (await rpc(client, keel.url, "ListTasks", {}))["result"]["totalSize"] == 1
+            assert await keel.terminate() == 0
+    # One run, resumed once: the question went to the model twice (the killed step, redone), not three times.
+    assert len(fake_model.bodies) == 2
+
+
 async def test_with_orphans_fail_a_task_left_working_by_a_sigkill_is_failed_with_the_reason(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:

@@ -9,16 +9,17 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 import trio
 
 from persistence.errors import SchemaError
-from persistence.schema import SchemaIdentity, write_identity_txn
+from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
-from persistence.sqlite import SqlitePool, connect, inspect, transaction
+from persistence.sqlite import Schema, SqlitePool, connect, inspect, transaction
 from persistence.writer import GroupCommitWriter
 from persistence.tasks import TASKS_SCHEMA, open_task_store
 from persistence.transcript import Message
@@ -368,6 +369,26 @@ def test_session_open_refuses_an_empty_id_and_a_missing_store() -> None:
         Session.open("conv", None)
 
 
+async def test_a_tasks_database_of_the_first_schema_is_brought_to_the_current_one_and_keeps_its_tasks(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "tasks.db"
+    first = Schema(name=TASKS_SCHEMA.name, migrations=TASKS_SCHEMA.migrations[:1], tables=TASKS_SCHEMA.tables)
+    with closing(connect(path)) as conn:
+        transaction(conn, first.migrations[0])
+        transaction(conn, write_identity_txn, SchemaIdentity(first.name, 1))
+        conn.execute(
+            "INSERT INTO tasks (id, context_id, owner, state, version, created_at_ms, updated_at_ms, task)"
+            " VALUES ('old', 'c', 'alice', 'TASK_STATE_COMPLETED', 3, 1, 2, '{}')"
+        )
+    async with open_task_store(path) as store:
+        assert (await store.get("alice", "old")).version == 3
+        await store.create("alice", task_id="new", context_id="c", state="TASK_STATE_SUBMITTED", task_json="{}", message_id="m1")
+    with closing(sqlite3.connect(path)) as conn:
+        assert read_identity(conn) == SchemaIdentity("keel.tasks", TASKS_SCHEMA.version)
+        assert conn.execute("SELECT id, message_id FROM tasks ORDER BY id").fetchall() == [("new", "m1"), ("old", None)]
+
+
 async def test_reopening_an_existing_database_is_idempotent(tmp_path: Path) -> None:
     for n in range(3):
         async with open_task_store(tmp_path / "tasks.db") as store:
@@ -402,7 +423,7 @@ def make_garbage(path: Path) -> None:
 
 REFUSALS = [
     (make_foreign, "no Keel schema identity", "Move the file aside"),
-    (make_newer, "keel.tasks@99 but this build supports keel.tasks@1", "Upgrade Keel, or restore a snapshot"),
+    (make_newer, f"keel.tasks@99 but this build supports keel.tasks@{TASKS_SCHEMA.version}", "Upgrade Keel, or restore a snapshot"),
     (make_other_schema, "is a keel.sessions database, not keel.tasks", "Point the state directory"),
     (make_incomplete, "incomplete keel.tasks schema", "Restore a good snapshot"),
     (make_garbage, "cannot be read as a database", "Restore a good snapshot"),

@@ -31,6 +31,7 @@ class SqliteBackend:
 class MemoryBackend:
     session_data: MemorySessionData = attrs.Factory(MemorySessionData)
     task_data: dict[str, TaskRecord] = attrs.Factory(dict)
+    started_by: dict[tuple[str, str], str] = attrs.Factory(dict)
 
     @asynccontextmanager
     async def sessions(self) -> AsyncIterator[MemorySessionStore]:
@@ -42,7 +43,7 @@ class MemoryBackend:
 
     @asynccontextmanager
     async def tasks(self) -> AsyncIterator[MemoryTaskStore]:
-        store = MemoryTaskStore(self.task_data)
+        store = MemoryTaskStore(self.task_data, self.started_by)
         try:
             yield store
         finally:

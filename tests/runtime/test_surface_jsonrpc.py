@@ -172,6 +172,42 @@ async def test_a_send_asking_for_push_notifications_is_refused_and_starts_nothin
     assert (await keel.result("ListTasks", {}))["totalSize"] == 0
 
 
+@BOTH
+async def test_a_message_sent_again_gets_the_task_it_started_and_no_second_run(keel: Served, version: str | None) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+    question = message("Investigate.", version)
+    at_once = {"blocking": False} if version is None else {"returnImmediately": True}
+
+    async def send(**configuration: Any) -> Any:
+        result = await keel.result(SEND[version], {"message": question, "configuration": configuration}, version=version)
+        return result if version is None else result["task"]
+
+    first = await send(**at_once)
+    await keel.gate.wait_entered()
+    again = await send(**at_once)
+    assert (again["id"], again["status"]["state"]) == (first["id"], wire_state("working", version))
+    keel.gate.opened.set()
+    done = await send()  # blocking: waits for that one run
+    assert (done["id"], done["status"]["state"]) == (first["id"], wire_state("completed", version))
+    assert len(keel.model.bodies) == 2  # the one run's two steps
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 1
+
+
+async def test_a_message_id_sent_again_with_other_words_is_invalid_params_naming_the_task(keel: Served) -> None:
+    keel.model.script = [Reply(text="Done.")]
+    question = message("Investigate the vault.", V1)
+    task = (await keel.result("SendMessage", {"message": question}))["task"]
+    for changed in ({**question, "parts": [{"text": "Investigate the database."}]}, {**question, "contextId": "another"}):
+        error = await keel.error("SendMessage", {"message": changed})
+        check_error(error, -32602, V1, "INVALID_PARAMS")
+        assert f"was sent before with other content, and started task {task['id']!r}" in error["message"]
+        assert "a new message needs a new messageId" in error["message"]
+    # What storing drops (an empty metadata) does not make it another message.
+    same = {**question, "parts": [{"text": "Investigate the vault.", "metadata": {}}], "contextId": task["contextId"]}
+    assert (await keel.result("SendMessage", {"message": same}))["task"]["id"] == task["id"]
+    assert len(keel.model.bodies) == 1
+
+
 async def test_a_message_with_nothing_to_read_is_invalid_params(keel: Served) -> None:
     error = await keel.error("SendMessage", {"message": message("   ", V1)})
     check_error(error, -32602, V1, "INVALID_PARAMS")
