@@ -309,3 +309,13 @@ async def test_a_client_that_falls_too_far_behind_is_told_so_in_the_last_event()
     assert [kind(f) for f in results(frames[:-1])] == ["task"] + ["statusUpdate"] * (SUBSCRIBER_BUFFER - 1)
     error = frames[-1]["error"]
     assert error["code"] == -32603 and "'t-1'" in error["message"] and "SubscribeToTask" in error["message"]
+
+
+async def test_a_streaming_send_sent_again_streams_the_task_it_started_and_ends(keel: Served) -> None:
+    keel.model.script = [Reply(text="Once.")]
+    question = message("Why?")
+    task = (await keel.result("SendMessage", {"message": question}))["task"]
+    async with keel.stream("SendStreamingMessage", {"message": question}) as events:
+        frames = results(await events.rest())
+    assert [(f["task"]["id"], f["task"]["status"]["state"]) for f in frames] == [(task["id"], "TASK_STATE_COMPLETED")]
+    assert len(keel.model.bodies) == 1
