@@ -186,17 +186,10 @@ class Runner:
         broken connection, or to a crash of the process that took it) gets that task back, as it
         stands, and no second run. The same id with other words is a mistake, said as such."""
         task = await self.get(owner, task_id)
-        first = task.history[0]
-        # Compared as stored, so that what storing normalises (an empty metadata, say) does not
-        # make the same message look like another.
-        same_parts = [p.to_json(STORED_VERSION) for p in message.parts] == [p.to_json(STORED_VERSION) for p in first.parts]
-        if not same_parts or message.context_id not in (None, "", task.context_id):
-            raise InvalidParams(
-                "message.messageId",
-                problem=f"{message.message_id!r} was sent before with other content, and started task {task_id!r}; "
-                "a new message needs a new messageId",
-            )
-        return task
+        where = f"started task {task_id!r}"
+        if message.context_id not in (None, "", task.context_id):
+            raise _sent_with_other_content(message, where)
+        return _check_same(message, task.history[0], task, where)
 
     def _live_task(self, owner: str, task: Task, version: int) -> LiveTask:
         return LiveTask(owner=owner, task=task, version=version, write_timeout_s=self.config.cleanup_timeout_s)
@@ -206,6 +199,13 @@ class Runner:
         message = params.message
         if message.context_id and message.context_id != task.context_id:
             raise ContextMismatch(message.context_id, task_id, task.context_id)
+        # A message this task already took (sent again, its answer lost): the task as it
+        # stands, and no second steer.
+        live = self._live.get(task_id)
+        current = live.task if live is not None and live.owner == owner else task
+        for taken in current.history:
+            if taken.message_id == message.message_id:
+                return _check_same(message, taken, current, f"went to task {task_id!r}")
         state = task.status.state
         if state.is_terminal:
             raise TaskIsTerminal(task_id, state.value, "take a message")
@@ -499,6 +499,22 @@ class _Working:
         await self._done.wait()
         if self._error is not None:
             raise self._error
+
+
+def _check_same(message: Message, sent: Message, task: Task, where: str) -> Task:
+    """``task``, which ``sent`` went to, if ``message`` (of the same id) says the same."""
+    # Compared as stored, so that what storing normalises (an empty metadata, say) does not make
+    # the same message look like another.
+    if [p.to_json(STORED_VERSION) for p in message.parts] != [p.to_json(STORED_VERSION) for p in sent.parts]:
+        raise _sent_with_other_content(message, where)
+    return task
+
+
+def _sent_with_other_content(message: Message, where: str) -> InvalidParams:
+    return InvalidParams(
+        "message.messageId",
+        problem=f"{message.message_id!r} was sent before with other content, and {where}; a new message needs a new messageId",
+    )
 
 
 @attrs.define(eq=False)

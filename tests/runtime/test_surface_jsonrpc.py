@@ -331,6 +331,27 @@ async def test_a_message_to_a_working_task_steers_its_next_model_request(keel: S
     assert steer_at > second.index("the gate opened")  # placed where the run had got to
 
 
+async def test_a_steer_sent_again_is_taken_once_and_after_the_end_still_gets_its_task(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Used the staging runbook.")]
+    task = await keel.send("Fix checkout", blocking=False)
+    await keel.gate.wait_entered()
+    steer = message("Use the staging runbook", V1, taskId=task["id"])
+    for _ in range(2):
+        steered = (await keel.result("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}}))["task"]
+        assert [m["parts"][0]["text"] for m in steered["history"]].count("Use the staging runbook") == 1
+    keel.gate.opened.set()
+    await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    second = [m.get("content") or "" for m in keel.model.bodies[1]["messages"]]
+    assert sum("Use the staging runbook" in text for text in second) == 1
+    # Sent once more after the task has ended: the task as it stands, not "terminal".
+    again = (await keel.result("SendMessage", {"message": steer}))["task"]
+    assert (again["id"], again["status"]["state"]) == (task["id"], "TASK_STATE_COMPLETED")
+    other = {**steer, "parts": [{"text": "Use the production runbook"}]}
+    error = await keel.error("SendMessage", {"message": other})
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert f"was sent before with other content, and went to task {task['id']!r}" in error["message"]
+
+
 # -- get and list -----------------------------------------------------------------------------
 
 
