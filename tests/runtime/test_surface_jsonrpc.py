@@ -193,6 +193,21 @@ async def test_a_message_sent_again_gets_the_task_it_started_and_no_second_run(k
     assert (await keel.result("ListTasks", {}))["totalSize"] == 1
 
 
+async def test_one_message_sent_six_times_at_once_starts_one_task(keel: Served) -> None:
+    keel.model.script = [Reply(text="Once.")]
+    question = message("Investigate.", V1)
+    tasks: list[Any] = []
+
+    async def send() -> None:
+        tasks.append((await keel.result("SendMessage", {"message": question}))["task"])
+
+    async with trio.open_nursery() as senders:
+        for _ in range(6):
+            senders.start_soon(send)
+    assert {(t["id"], t["status"]["state"]) for t in tasks} == {(tasks[0]["id"], "TASK_STATE_COMPLETED")}
+    assert len(tasks) == 6 and len(keel.model.bodies) == 1
+
+
 async def test_a_message_id_sent_again_with_other_words_is_invalid_params_naming_the_task(keel: Served) -> None:
     keel.model.script = [Reply(text="Done.")]
     question = message("Investigate the vault.", V1)
