@@ -454,7 +454,7 @@ class Runner:
                 last_in_line[task.context_id] = queued
                 self._start(live)
                 continue
-            reason = "The process running this task stopped before it finished; send the message again."
+            reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
             await live.persist(self.tasks, _settle(TaskState.FAILED, reason))
 
 

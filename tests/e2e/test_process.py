@@ -182,7 +182,7 @@ async def test_with_orphans_fail_a_task_left_working_by_a_sigkill_is_failed_with
             assert await wait_stored_state(state, task_id, ["TASK_STATE_FAILED"]) == "TASK_STATE_FAILED"
             got = await rpc(client, keel.url, "GetTask", {"id": task_id})
             said = got["result"]["status"]["message"]["parts"][0]["text"]
-            assert "stopped before it finished" in said and "send the message again" in said
+            assert "stopped before it finished" in said and "send the message again, with a new messageId" in said
             assert await keel.terminate() == 0
     assert len(fake_model.bodies) == asked  # failed, not resumed: the model was not asked again
 
