@@ -97,12 +97,13 @@ def load_json(body: bytes | str) -> object:
     """Parse standard JSON (no NaN or Infinity, no number past a double's range) whose strings are
     Unicode text; raises ParseError with the reason."""
     try:
-        text = body.decode("utf-8") if isinstance(body, bytes) else body
+        # A byte order mark is ignored, as RFC 8259 allows (some clients send one).
+        text = body.decode("utf-8-sig") if isinstance(body, bytes) else body.removeprefix("\ufeff")
         value = _DECODER.decode(text)
         if text.count("[") + text.count("{") > MAX_DEPTH and _deeper_than(value, MAX_DEPTH):
             raise ParseError(f"nested more than {MAX_DEPTH} deep; flatten it")
         # Bytes decoded as UTF-8 hold no surrogate, so only an escape can spell one.
-        if ("\\u" in text and _SURROGATE_ESCAPE.search(text)) or (text is body and _SURROGATE.search(text)):
+        if ("\\u" in text and _SURROGATE_ESCAPE.search(text)) or (isinstance(body, str) and _SURROGATE.search(text)):
             where = _lone_surrogate(value)
             if where is not None:
                 raise ParseError(

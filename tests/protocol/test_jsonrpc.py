@@ -49,6 +49,12 @@ def test_parse_request_bad_json_is_a_parse_error_with_null_id(body: bytes) -> No
     assert rejection.error.message.startswith("request body is not valid JSON: ")
 
 
+def test_parse_request_ignores_a_byte_order_mark() -> None:
+    body = '{"jsonrpc":"2.0","id":1,"method":"GetTask","params":{"id":"t"}}'
+    assert parse_request(b"\xef\xbb\xbf" + body.encode()) == parse_request(body)
+    assert parse_request("\ufeff" + body) == parse_request(body)
+
+
 def test_parse_request_parse_error_keeps_the_parser_reason() -> None:
     assert rejected(b'{"jsonrpc":"2.0","id":19,"method":').error.message == (
         "request body is not valid JSON: Expecting value: line 1 column 35 (char 34)"

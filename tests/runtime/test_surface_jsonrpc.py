@@ -560,6 +560,13 @@ async def test_a_body_that_is_not_json_is_a_parse_error(keel: Served) -> None:
     assert "line 1 column 35" in body["error"]["message"]  # the parser's own reason, as the reference says
 
 
+async def test_a_body_that_begins_with_a_byte_order_mark_is_read(keel: Served) -> None:
+    keel.model.script = [Reply(text="Read.")]
+    body = json.dumps(keel.body("SendMessage", send_params("Can you read me?", V1))).encode()
+    response = await post_raw(keel, b"\xef\xbb\xbf" + body, **{"A2A-Version": "1.0"})
+    assert response.json()["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
 async def test_text_holding_a_lone_surrogate_is_refused_saying_where_and_the_messages_beside_it_complete(
     keel: Served,
 ) -> None:
