@@ -39,6 +39,11 @@ def _clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def quoted(text: str) -> str:
+    """A name a client sent (an id, a method), quoted for a message: never the whole of a long one."""
+    return _clip(repr(text), 80)
+
+
 def describe(value: object) -> str:
     """A short description of a JSON value for an error message; never the whole of a big one."""
     if value is MISSING:
@@ -76,7 +81,7 @@ class InvalidRequest(ProtocolError):
 class MethodNotFound(ProtocolError):
     def __init__(self, method: str) -> None:
         self.method = method
-        super().__init__(f"method {method!r} not found")
+        super().__init__(f"method {quoted(method)} not found")
 
 
 @attrs.frozen
@@ -105,7 +110,7 @@ class ContextMismatch(InvalidParams):
         self.violations = ()
         ProtocolError.__init__(
             self,
-            f"context {context_id!r} does not match context {task_context_id!r} of task {task_id!r}; "
+            f"context {quoted(context_id)} does not match context {task_context_id!r} of task {task_id!r}; "
             "omit contextId or send the task's own",
         )
 
@@ -137,7 +142,7 @@ class StreamCut(InternalError):
 class TaskNotFound(ProtocolError):
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
-        super().__init__(f"task {task_id!r} not found")
+        super().__init__(f"task {quoted(task_id)} not found")
 
 
 class TaskNotCancelable(ProtocolError):
@@ -176,7 +181,7 @@ class ContentTypeNotSupported(ProtocolError):
         """``problem``, if given, says what is wrong in place of the default words."""
         self.media_type = media_type
         accepted = f"; this agent accepts {', '.join(map(repr, supported))}" if supported else ""
-        super().__init__(problem or f"content type {media_type!r} is not supported{accepted}")
+        super().__init__(problem or f"content type {quoted(media_type)} is not supported{accepted}")
 
 
 class ExtendedAgentCardNotConfigured(ProtocolError):
@@ -191,11 +196,11 @@ class VersionNotSupported(ProtocolError):
         self.requested = requested
         if method is None or expected is None:
             super().__init__(
-                f"A2A version {requested!r} is not supported; send 'A2A-Version: 1.0', or no header for 0.3"
+                f"A2A version {quoted(requested)} is not supported; send 'A2A-Version: 1.0', or no header for 0.3"
             )
             return
         fix = "send 'A2A-Version: 1.0'" if expected == "1.0" else "omit the A2A-Version header"
-        super().__init__(f"method {method!r} belongs to A2A version {expected!r}, not {requested!r}; {fix}")
+        super().__init__(f"method {quoted(method)} belongs to A2A version {expected!r}, not {quoted(requested)}; {fix}")
 
 
 @attrs.frozen

@@ -40,6 +40,7 @@ from protocol import (
     UnsupportedOperation,
     trim_history,
 )
+from protocol.errors import quoted
 from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, TextDelta
 from runtime.models import ModelError
 from runtime.tasks import (
@@ -513,7 +514,7 @@ def _check_same(message: Message, sent: Message, task: Task, where: str) -> Task
 def _sent_with_other_content(message: Message, where: str) -> InvalidParams:
     return InvalidParams(
         "message.messageId",
-        problem=f"{message.message_id!r} was sent before with other content, and {where}; a new message needs a new messageId",
+        problem=f"{quoted(message.message_id)} was sent before with other content, and {where}; a new message needs a new messageId",
     )
 
 

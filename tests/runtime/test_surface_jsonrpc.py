@@ -560,6 +560,12 @@ async def test_a_body_that_is_not_json_is_a_parse_error(keel: Served) -> None:
     assert "line 1 column 35" in body["error"]["message"]  # the parser's own reason, as the reference says
 
 
+async def test_a_long_name_a_client_sent_is_clipped_in_the_error_that_names_it(keel: Served) -> None:
+    for method, params, named in (("GetTask", {"id": "t" * 10_000}, "task 'tttt"), ("m" * 10_000, {}, "method 'mmmm")):
+        error = await keel.error(method, params)
+        assert named in error["message"] and "..." in error["message"] and len(error["message"]) < 200
+
+
 async def test_a_body_that_begins_with_a_byte_order_mark_is_read(keel: Served) -> None:
     keel.model.script = [Reply(text="Read.")]
     body = json.dumps(keel.body("SendMessage", send_params("Can you read me?", V1))).encode()
