@@ -3,6 +3,7 @@
 AgentError
 ├── BudgetExhausted   the turn made as many model calls as it may
 ├── MaxStepsReached   the model was still calling tools after max_steps requests
+├── AnswerTruncated   the model's answer was cut off at its length limit
 ├── SaveFailed        the session could not be written or its steers taken
 └── RunFinished       a steer for a run that has ended
 
@@ -30,6 +31,14 @@ class MaxStepsReached(AgentError):
     def __init__(self, max_steps: int) -> None:
         self.max_steps = max_steps
         super().__init__(f"the run hit max_steps ({max_steps}) with the model still calling tools")
+
+
+class AnswerTruncated(AgentError):
+    def __init__(self) -> None:
+        super().__init__(
+            "the model's answer was cut off at its length limit before it finished (finish_reason 'length'); "
+            "ask for a shorter answer, or raise the model's output limit"
+        )
 
 
 class SaveFailed(AgentError):

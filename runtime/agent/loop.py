@@ -20,7 +20,7 @@ import trio
 
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
-from runtime.agent.errors import BudgetExhausted, MaxStepsReached, SaveFailed
+from runtime.agent.errors import AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import STEER_LABEL, SteerBox
 from runtime.agent.tools import Tool, call_tool
@@ -268,7 +268,8 @@ class AgentRun:
         dies during this step (while the model answers or while its tools run) leaves the
         session at the start of the step, and a run resumed from the session's stored messages
         does the whole step again, tool calls included. A run that is cancelled here, or whose
-        model fails mid-answer, keeps the text streamed so far (see _keep_partial).
+        model fails mid-answer or stops at its length limit, keeps the text streamed so far (see
+        _keep_partial).
         """
         request = ChatRequest(messages=self._request_messages(), tools=tools, temperature=self.spec.temperature)
         self._calls += 1
@@ -279,6 +280,10 @@ class AgentRun:
                 async for delta in stream:
                     self._emit(delta)
                 completion = stream.completion()
+                if completion.finish_reason == "length":
+                    # Not an answer to act on: its end, and maybe its tool calls, are missing.
+                    # The text is kept as partial, like a cancelled answer's.
+                    raise AnswerTruncated()
         except BaseException:
             # After the stream is closed, so the model server hears at once that we left.
             if stream is not None:

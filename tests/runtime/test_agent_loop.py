@@ -21,6 +21,7 @@ from persistence.transcript import Message, ToolCall
 from runtime.agent import (
     AgentRun,
     AgentSpec,
+    AnswerTruncated,
     BudgetExhausted,
     MaxStepsReached,
     RunFinished,
@@ -215,6 +216,19 @@ async def test_max_steps_bounds_a_round_below_the_budget(fake_model: FakeModel) 
         with pytest.raises(MaxStepsReached, match=r"max_steps \(3\) with the model still calling tools"):
             await run_turn(fake_model, AgentSpec(tools=[lookup_tool()], max_steps=3), question())
     assert len(fake_model.bodies) == 3
+
+
+async def test_an_answer_cut_off_at_its_length_limit_fails_the_run_and_is_kept_as_partial(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text="The lease expired at", finish_reason="length")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store:
+            with pytest.raises(AnswerTruncated, match="cut off at its length limit"):
+                await run_turn(fake_model, AgentSpec(), question(), session=Session.open(SESSION, store))
+        stored = await stored_messages(path, SESSION)
+    assert stored == [*question(), Message(role="assistant", text="The lease expired at", partial=True)]
 
 
 async def test_retries_stop_after_the_first_streamed_byte(fake_model: FakeModel, tmp_path: Path) -> None:

@@ -274,6 +274,14 @@ async def test_a_model_that_fails_fails_the_task_with_words_that_name_nothing_of
 # -- turns ------------------------------------------------------------------------------------
 
 
+async def test_an_answer_cut_off_at_the_models_length_limit_fails_the_task_saying_so(keel: Served) -> None:
+    keel.model.script = [Reply(text="The lease expired at", finish_reason="length")]
+    task = await keel.send("What happened?")
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    said = task["status"]["message"]["parts"][0]["text"]
+    assert "cut off at its length limit" in said and "ask for a shorter answer" in said
+
+
 async def test_a_second_turn_of_a_context_waits_submitted_until_the_first_has_answered(keel: Served) -> None:
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="The queue is drained."), Reply(text="It was a stuck consumer.")]
     first = await keel.send("Drain the queue", blocking=False)
