@@ -153,6 +153,9 @@ async def test_a_message_sent_again_after_a_crash_gets_the_task_it_started_not_a
             sent = await rpc(client, keel.url, "SendMessage", {"message": question, "configuration": {"returnImmediately": True}})
             task_id = sent["result"]["task"]["id"]
             await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+            with trio.fail_after(30):  # the model has the question (and hangs on it)
+                while not fake_model.bodies:
+                    await trio.sleep(0.02)
             assert await keel.kill() == -9  # as if before its answer reached the client
         async with keel_process(state, fake_model.base_url) as keel:
             again = (await rpc(client, keel.url, "SendMessage", {"message": question}))["result"]["task"]
