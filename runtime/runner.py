@@ -154,7 +154,8 @@ class Runner:
     # -- requests ---------------------------------------------------------------------------------
 
     async def send(self, owner: str, params: SendMessageParams) -> Task:
-        """A new task (SUBMITTED, durable before this returns), or a steer for a working one."""
+        """A new task (SUBMITTED, durable before this returns), or a steer for a working one; for
+        a message sent before (the same messageId), the task it went to, and nothing new."""
         message = params.message
         if params.configuration.push_notification_config is not None:
             # The card says there are none: a webhook taken and never called would be worse.

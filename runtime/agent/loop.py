@@ -134,6 +134,7 @@ class AgentRun:
 
         Cancellation ends it promptly (see the class docstring). Raises BudgetExhausted or
         MaxStepsReached when the model will not conclude (the last step's work is stored first),
+        AnswerTruncated when its answer stops at its length limit (the text is kept as partial),
         SaveFailed when the session cannot be written (the run stops before its next model
         request) or the answer cannot be stored, a ModelError when the model fails (after
         retries, and never once it has started answering), RuntimeError when called twice.
