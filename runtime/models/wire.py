@@ -9,10 +9,10 @@ The one exception is text that is not Unicode at all (see ``unicode_text``), whi
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from persistence.transcript import Message, ToolCall
+from persistence.validate import lone_surrogate
 from runtime.models.errors import ModelBadResponse
 from runtime.models.values import ChatRequest, Completion, ToolSpec, Usage
 
@@ -110,9 +110,6 @@ def tool_call(index: int, call_id: str, name: str, arguments: str) -> ToolCall:
     )
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def unicode_text(text: str) -> str:
     """``text`` as Unicode text, which is what a store can hold.
 
@@ -121,7 +118,7 @@ def unicode_text(text: str) -> str:
     are joined here into their character. A half left alone is replaced by U+FFFD, as a bad
     byte would be. Anything else, tool-call arguments included, is returned unchanged.
     """
-    if text.isascii() or _SURROGATE.search(text) is None:
+    if lone_surrogate(text) is None:
         return text
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 

@@ -89,7 +89,7 @@ async def floor_appends_per_s(path: Path, seconds: float) -> float:
     """The same appenders over the least group commit: each queues its row and an event, the
     first of a batch wakes the database thread, which commits whatever is queued and sets the
     events from the Trio thread."""
-    conn = plain_database(path)
+    conn = await trio.to_thread.run_sync(plain_database, path)
     token = trio.lowlevel.current_trio_token()
     lock = threading.Lock()
     queued: list[tuple[tuple[str, int, int, str], trio.Event]] = []
@@ -143,11 +143,18 @@ async def floor_appends_per_s(path: Path, seconds: float) -> float:
     finally:
         wake.put(False)
         await trio.to_thread.run_sync(thread.join)
-        (stored,) = conn.execute("SELECT count(*) FROM events").fetchone()
-        conn.close()
+        stored = await trio.to_thread.run_sync(_count_and_close, conn)
     if stored != count:  # a floor that skipped work would flatter every ratio against it
         raise RuntimeError(f"the floor counted {count} appends but committed {stored} rows")
     return count / elapsed
+
+
+def _count_and_close(conn: sqlite3.Connection) -> int:
+    try:
+        (count,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        return int(count)
+    finally:
+        conn.close()
 
 
 async def save_us(path: Path, lengths: tuple[int, ...], samples: int) -> dict[int, float]:
