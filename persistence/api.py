@@ -29,6 +29,9 @@ class Event:
 class SessionStore(Protocol):
     """Sessions, their ordered append-only events, state, and pending steers."""
 
+    max_event_bytes: int
+    """The largest event the store takes, in bytes as stored (a message's ``to_json``, UTF-8)."""
+
     async def append(
         self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
     ) -> int:

@@ -25,6 +25,11 @@ class Session:
             raise ValueError("a session needs a store; persistence.memory.MemorySessionStore lives as long as the process")
         return cls(id=session_id, store=store)
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message the store takes, in bytes as stored (``Message.stored_bytes``)."""
+        return self.store.max_event_bytes
+
     async def save(self, messages: Sequence[Message]) -> None:
         """Persist a transcript that extends the stored one; only the new messages are written."""
         await self.store.save(self.id, messages)

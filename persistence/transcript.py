@@ -64,6 +64,38 @@ class Message:
             data["turn_id"] = self.turn_id
         return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
+    def stored_bytes(self) -> int:
+        """The size of the stored form in bytes: what a store's ``max_event_bytes`` bounds."""
+        return len(self.to_json().encode("utf-8", "surrogatepass"))
+
+    def oversize(self, max_bytes: int) -> int | None:
+        """The stored size when it is over ``max_bytes``, else None. Cheap for a message far under
+        it: as JSON in UTF-8 a character takes at most 6 bytes (an escape such as ``\\u001f``)."""
+        chars = len(self.text) + len(self.tool_call_id) + len(self.name) + len(self.turn_id)
+        chars += sum(len(call.id) + len(call.name) + len(call.arguments) + 16 for call in self.tool_calls)
+        if chars * 6 + 128 <= max_bytes:
+            return None
+        size = self.stored_bytes()
+        return size if size > max_bytes else None
+
+    def cut_to_fit(self, max_bytes: int, note: str = "") -> Message:
+        """This message with its text cut short, and ``note`` after what is kept, so that its
+        stored form fits ``max_bytes``; the message itself if it fits already. ValueError if it
+        cannot fit even with no text (tool calls too large, or the note)."""
+        if self.oversize(max_bytes) is None:
+            return self
+
+        def fits(length: int) -> bool:
+            return attrs.evolve(self, text=self.text[:length] + note).stored_bytes() <= max_bytes
+
+        if not fits(0):
+            raise ValueError(f"this {self.role} message ({self.stored_bytes()} bytes) cannot be cut to fit {max_bytes}")
+        low, high = 0, len(self.text)  # the longest text that fits is at least low and less than high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return attrs.evolve(self, text=self.text[:low] + note)
+
     @classmethod
     def from_json(cls, text: str) -> Message:
         """Raises ValueError (json.JSONDecodeError, KeyError wrapped) when text is not a message."""

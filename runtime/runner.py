@@ -42,6 +42,7 @@ from protocol import (
 )
 from protocol.errors import quoted
 from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, TextDelta
+from runtime.agent.steers import STEER_LABEL
 from runtime.models import ModelError
 from runtime.tasks import (
     STORED_VERSION,
@@ -162,9 +163,10 @@ class Runner:
             raise PushNotificationNotSupported()
         if message.task_id:
             return await self._to_existing(owner, message.task_id, params)
-        readable_text(message)
+        text = readable_text(message)
         self._refuse_if_stopping()
         task_id = new_id()
+        self._refuse_oversize(Transcribed(role="user", text=text, turn_id=task_id))
         context_id = message.context_id or new_id()
         message = attrs.evolve(message, task_id=task_id, context_id=context_id)
         task = Task(
@@ -193,6 +195,18 @@ class Runner:
             raise _sent_with_other_content(message, where)
         return _check_same(message, task.history[0], task, where)
 
+    def _refuse_oversize(self, message: Transcribed) -> None:
+        """A message the conversation could not hold is refused before anything of it is stored:
+        taken, its task would only fail when the run first saved the transcript."""
+        limit = self.sessions.max_event_bytes
+        size = message.oversize(limit)
+        if size is not None:
+            raise InvalidParams(
+                "message.parts",
+                problem=f"come to {size} bytes as the conversation keeps them (text parts as they are, data parts as JSON), "
+                f"more than the {limit} one message may hold; send less in one message",
+            )
+
     def _live_task(self, owner: str, task: Task, version: int) -> LiveTask:
         return LiveTask(owner=owner, task=task, version=version, write_timeout_s=self.config.cleanup_timeout_s)
 
@@ -213,6 +227,7 @@ class Runner:
             raise TaskIsTerminal(task_id, state.value, "take a message")
         message = attrs.evolve(message, context_id=task.context_id)
         text = readable_text(message)
+        self._refuse_oversize(Transcribed(role="user", text=STEER_LABEL + text))
         # A message to a working task is a steer: stored for the session, taken exactly once
         # before the run's next model request, wherever that run is.
         await self.sessions.add_steer(task.context_id, text)
@@ -412,7 +427,10 @@ class Runner:
                 try:
                     result = await run.run()
                 except (AgentError, ModelError) as exc:
-                    logger.info("task %s failed: %r", task.id, exc)
+                    if exc.__cause__ is None:
+                        logger.info("task %s failed: %r", task.id, exc)
+                    else:  # a store or connection failure: what it said is for the log alone
+                        logger.warning("task %s failed: %r, from %r", task.id, exc, exc.__cause__)
                     return _settle(TaskState.FAILED, f"The task failed: {exc}")
         return self._completed(live, result.output)
 

@@ -4,6 +4,7 @@ AgentError
 ├── BudgetExhausted   the turn made as many model calls as it may
 ├── MaxStepsReached   the model was still calling tools after max_steps requests
 ├── AnswerTruncated   the model's answer was cut off at its length limit
+├── AnswerTooLarge    the model's answer grew past what one message of a transcript may hold
 ├── SaveFailed        the session could not be written or its steers taken
 └── RunFinished       a steer for a run that has ended
 
@@ -38,6 +39,15 @@ class AnswerTruncated(AgentError):
         super().__init__(
             "the model's answer was cut off at its length limit before it finished (finish_reason 'length'); "
             "ask for a shorter answer, or raise the model's output limit"
+        )
+
+
+class AnswerTooLarge(AgentError):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(
+            f"the model's answer grew past {limit} bytes, the most one message of a conversation may hold, "
+            "and was cut off there; ask for a shorter answer, or give the model a lower output limit"
         )
 
 

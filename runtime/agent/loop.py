@@ -20,11 +20,12 @@ import trio
 
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
-from runtime.agent.errors import AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
+from persistence.validate import MAX_EVENT_BYTES
+from runtime.agent.errors import AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import STEER_LABEL, SteerBox
 from runtime.agent.tools import Tool, call_tool
-from runtime.models import ChatRequest, Completion, Delta, ToolSpec, Usage
+from runtime.models import ChatRequest, Completion, Delta, ToolCallDelta, ToolSpec, Usage
 from runtime.models import TextDelta as ModelText
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class AgentRun:
         Cancellation ends it promptly (see the class docstring). Raises BudgetExhausted or
         MaxStepsReached when the model will not conclude (the last step's work is stored first),
         AnswerTruncated when its answer stops at its length limit (the text is kept as partial),
+        AnswerTooLarge when its answer grows past what one stored message may hold (the text is
+        kept as partial, cut to fit; a tool's output that large is cut short instead, saying so),
         SaveFailed when the session cannot be written (the run stops before its next model
         request) or the answer cannot be stored, a ModelError when the model fails (after
         retries, and never once it has started answering), RuntimeError when called twice.
@@ -188,7 +191,7 @@ class AgentRun:
             elif (
                 continuations < self.spec.steer_continuations
                 and self._calls < self.spec.max_model_calls
-                and await self._prepare_request()
+                and await self._prepare_request("saving the answer", before_model=False)
             ):
                 continuations += 1
                 steps = 0
@@ -203,9 +206,10 @@ class AgentRun:
         if steps >= self.spec.max_steps:
             raise MaxStepsReached(self.spec.max_steps)
 
-    async def _prepare_request(self) -> bool:
+    async def _prepare_request(self, what: str = _SAVING, *, before_model: bool = True) -> bool:
         """Take the steers waiting, pin each where the run has got to, and save the transcript.
-        True if a steer was placed.
+        True if a steer was placed. ``what`` and ``before_model`` say, should the save fail,
+        what was being saved and whether a model request was to follow (see SaveFailed).
 
         Taking a steer from the store removes it, so from the take until the transcript holding
         it is saved the work is shielded from cancellation (within a bound): a run cancelled
@@ -216,21 +220,21 @@ class AgentRun:
         if self.session is None:
             return placed
         with trio.move_on_after(STORE_TIMEOUT_S, shield=True):
-            taken = await self._save_and_take_steers(self.session)
+            taken = await self._save_and_take_steers(self.session, what, before_model=before_model)
             if self._place(taken):
                 await self._save(_SAVING)
             return placed or bool(taken)
         # Reached only when the bound ran out.
-        raise SaveFailed(self.session.id, f"{_SAVING} within {STORE_TIMEOUT_S:g} s")
+        raise SaveFailed(self.session.id, f"{what} within {STORE_TIMEOUT_S:g} s", before_model=before_model)
 
-    async def _save_and_take_steers(self, session: Session) -> list[str]:
+    async def _save_and_take_steers(self, session: Session, what: str, *, before_model: bool) -> list[str]:
         """Save the transcript and take the steers left in the store in one step (one
         transaction on SQLite): one round trip to the database per step, and a save that fails
         leaves the steers for the run that resumes."""
         try:
             taken = await session.save_and_take_steers(self.messages)
         except Exception as exc:  # any failure, as in _save
-            raise SaveFailed(session.id, _SAVING) from exc
+            raise SaveFailed(session.id, what, before_model=before_model) from exc
         self._saved = len(self.messages)
         return taken
 
@@ -269,28 +273,40 @@ class AgentRun:
         dies during this step (while the model answers or while its tools run) leaves the
         session at the start of the step, and a run resumed from the session's stored messages
         does the whole step again, tool calls included. A run that is cancelled here, or whose
-        model fails mid-answer or stops at its length limit, keeps the text streamed so far (see
-        _keep_partial).
+        model fails mid-answer, stops at its length limit or will not stop, keeps the text
+        streamed so far (see _keep_partial).
         """
         request = ChatRequest(messages=self._request_messages(), tools=tools, temperature=self.spec.temperature)
         self._calls += 1
         self.on_event(StepStarted(self._calls))
+        limit = self._max_message_bytes
+        said = 0  # characters of the answer so far: at least as many bytes once stored
         stream: AnswerStream | None = None
         try:
             async with self.model.stream(request) as stream:
                 async for delta in stream:
+                    said += _characters(delta)
+                    if said > limit:  # a model that would not stop: what it said is kept, cut to fit
+                        raise AnswerTooLarge(limit)
                     self._emit(delta)
                 completion = stream.completion()
                 if completion.finish_reason == "length":
                     # Not an answer to act on: its end, and maybe its tool calls, are missing.
                     # The text is kept as partial, like a cancelled answer's.
                     raise AnswerTruncated()
+                if completion.message.oversize(limit) is not None:
+                    raise AnswerTooLarge(limit)
         except BaseException:
             # After the stream is closed, so the model server hears at once that we left.
             if stream is not None:
                 await self._keep_partial(stream.partial_message())
             raise
         return completion.message
+
+    @property
+    def _max_message_bytes(self) -> int:
+        """The largest message the run may store: its session's limit (the default without one)."""
+        return MAX_EVENT_BYTES if self.session is None else self.session.max_message_bytes
 
     def _request_messages(self) -> list[Message]:
         # Partial answers are kept for the record, never sent: the model did not finish them.
@@ -312,7 +328,7 @@ class AgentRun:
         dropped: without their results the transcript could not be sent again."""
         if not said.text:
             return
-        self.messages.append(Message(role="assistant", text=said.text, partial=True))
+        self.messages.append(Message(role="assistant", text=said.text, partial=True).cut_to_fit(self._max_message_bytes))
         try:
             await self._save("saving the partial answer", before_model=False, bound_s=CLEANUP_TIMEOUT_S)
         except SaveFailed as exc:  # the run is already ending with the error that cut the answer off
@@ -322,8 +338,28 @@ class AgentRun:
         for call in calls:
             self.on_event(ToolCalled(call))
             outcome = await call_tool(tools, call)
-            self.messages.append(Message(role="tool", text=outcome.text, tool_call_id=call.id, name=call.name))
-            self.on_event(ToolResult(call.id, call.name, outcome.text, outcome.is_error))
+            result = _fitted(Message(role="tool", text=outcome.text, tool_call_id=call.id, name=call.name), self._max_message_bytes)
+            self.messages.append(result)
+            self.on_event(ToolResult(call.id, call.name, result.text, outcome.is_error))
+
+
+def _characters(delta: Delta) -> int:
+    if isinstance(delta, ModelText):
+        return len(delta.text)
+    if isinstance(delta, ToolCallDelta | ToolCall):
+        return len(delta.id) + len(delta.name) + len(delta.arguments)
+    return 0
+
+
+def _fitted(result: Message, limit: int) -> Message:
+    """A tool's result as the transcript can hold it: an output larger than one message may be
+    is cut short, saying so, rather than stopping the run at its next save. The model reads
+    what is kept, and the note."""
+    size = result.oversize(limit)
+    if size is None:
+        return result
+    note = f"\n[output cut here: the tool returned {size} bytes, more than the {limit} one message may hold]"
+    return result.cut_to_fit(limit, note)
 
 
 def _add(a: Usage, b: Usage) -> Usage:

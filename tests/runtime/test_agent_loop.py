@@ -19,8 +19,10 @@ from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message, ToolCall
 from runtime.agent import (
+    AgentEvent,
     AgentRun,
     AgentSpec,
+    AnswerTooLarge,
     AnswerTruncated,
     BudgetExhausted,
     MaxStepsReached,
@@ -229,6 +231,54 @@ async def test_an_answer_cut_off_at_its_length_limit_fails_the_run_and_is_kept_a
                 await run_turn(fake_model, AgentSpec(), question(), session=Session.open(SESSION, store))
         stored = await stored_messages(path, SESSION)
     assert stored == [*question(), Message(role="assistant", text="The lease expired at", partial=True)]
+
+
+@pytest.mark.parametrize(
+    "text", ["x" * 10_000, "\x01" * 1_000], ids=["more characters than the limit", "past the limit only as stored"]
+)
+async def test_an_answer_larger_than_a_message_may_be_fails_the_run_and_is_kept_cut_to_fit(
+    fake_model: FakeModel, tmp_path: Path, text: str
+) -> None:
+    # Stored as JSON, a control character takes six bytes: 1 000 of them stream past no bound
+    # on characters, and are caught as the answer completes.
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text=text, chunk_chars=100)]
+    log = EventLog()
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path, max_event_bytes=4096) as store:
+            with pytest.raises(AnswerTooLarge, match="the model's answer grew past 4096 bytes, the most one message"):
+                await run_turn(fake_model, AgentSpec(), question(), session=Session.open(SESSION, store), on_event=log)
+        stored = await stored_messages(path, SESSION)
+    assert stored[:-1] == question()
+    kept = stored[-1]
+    assert (kept.role, kept.partial) == ("assistant", True)
+    assert text.startswith(kept.text) and 4096 - 100 < kept.stored_bytes() <= 4096
+    streamed = "".join(event.text for event in log.of(TextDelta))
+    assert text.startswith(streamed) and len(streamed) <= 4096  # no more went out than may be kept
+
+
+@pytest.mark.parametrize("continuations", [0, 1])
+async def test_a_store_that_fails_as_the_answer_is_saved_says_the_end_of_the_run_is_not_stored(
+    fake_model: FakeModel, tmp_path: Path, continuations: int
+) -> None:
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text="The lease expired.")]
+
+    def break_the_disk_as_the_answer_comes(event: AgentEvent) -> None:
+        if isinstance(event, StepStarted):
+            refuse_writes_of_events(path)
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store:
+            spec = AgentSpec(steer_continuations=continuations)
+            with pytest.raises(SaveFailed) as caught:
+                await run_turn(
+                    fake_model, spec, question(), session=Session.open(SESSION, store), on_event=break_the_disk_as_the_answer_comes
+                )  # fmt: skip
+        assert await stored_messages(path, SESSION) == question()
+    # Not "stopped before calling the model": the model had answered; its answer is what is lost.
+    assert str(caught.value) == f"saving the answer for session '{SESSION}' failed, so the end of the run is not stored"
+    assert len(fake_model.bodies) == 1
 
 
 async def test_retries_stop_after_the_first_streamed_byte(fake_model: FakeModel, tmp_path: Path) -> None:

@@ -227,3 +227,30 @@ async def test_a_tool_text_that_is_not_unicode_is_stored_and_sent_with_replaceme
     assert results == ["files: report-\ufffd.txt", "error: open_file failed: no such file: report-\ufffd.txt"]
     assert result.output == "One file."
     assert await stored_messages(tmp_path / "runtime.db", "s") == list(result.messages)
+
+
+async def test_a_tool_output_larger_than_a_message_may_be_is_cut_short_saying_so_and_the_run_goes_on(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    log = "".join(f"03:{minute % 60:02d} renew failed: permission denied\n" for minute in range(500))
+
+    async def read_log(_arguments: dict[str, Any]) -> str:
+        return log
+
+    fake_model.script = [Reply(tool_calls=[Call("read_log", "{}")]), Reply(text="Renewals failed all night.")]
+    path = tmp_path / "runtime.db"
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path, max_event_bytes=4096) as store:
+            spec = AgentSpec(tools=[make_tool("read_log", read_log)])
+            result = await run_turn(fake_model, spec, question(), session=Session.open("s", store))
+        stored = await stored_messages(path, "s")
+    assert result.output == "Renewals failed all night."
+    assert stored == list(result.messages)
+    cut = stored[2]
+    kept, note = cut.text.split("\n[", 1)
+    assert log.startswith(kept) and len(kept) > 3000
+    size = len(log.encode()) + len('{"role":"tool","text":"","tool_call_id":"call_1_0","name":"read_log"}') + log.count("\n")
+    assert note == f"output cut here: the tool returned {size} bytes, more than the 4096 one message may hold]"
+    assert 4096 - 100 < cut.stored_bytes() <= 4096
+    # The model read what was kept, and the note.
+    assert [m["content"] for m in sent_messages(fake_model.bodies[1]) if m["role"] == "tool"] == [cut.text]

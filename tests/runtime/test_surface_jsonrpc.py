@@ -244,6 +244,30 @@ async def test_a_file_sent_to_a_working_task_is_refused_and_the_run_goes_on_unst
     assert [m["content"] for m in keel.model.bodies[1]["messages"] if m["role"] == "user"] == ["Investigate."]
 
 
+async def test_a_message_larger_than_the_conversation_holds_is_refused_before_anything_is_stored(keel: Served) -> None:
+    # Under the body limit as sent, over what one message of a transcript holds as kept: a data
+    # part becomes JSON text, and each of its quotes is escaped again where it is stored.
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+    data = {"parts": [{"data": {"hosts": ["a"] * 200_000}}]}
+    assert len(json.dumps(keel.body("SendMessage", {"message": {**message("", V1), **data}}))) < 1 << 20
+
+    def refused(error: dict[str, Any]) -> None:
+        check_error(error, -32602, V1, "INVALID_PARAMS")
+        assert "'message.parts' come to 14" in error["message"]
+        assert "bytes as the conversation keeps them" in error["message"]
+        assert "more than the 1048576 one message may hold; send less in one message" in error["message"]
+
+    refused(await keel.error("SendMessage", {"message": {**message("", V1), **data}}))
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 0
+    task = await keel.send("Investigate.", blocking=False)
+    await keel.gate.wait_entered()
+    refused(await keel.error("SendMessage", {"message": {**message("", V1, taskId=task["id"]), **data}}))
+    keel.gate.opened.set()
+    done = await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    assert done.status.state.value == "completed" and len(done.history) == 2  # the question, the answer
+    assert [m["content"] for m in keel.model.bodies[1]["messages"] if m["role"] == "user"] == ["Investigate."]
+
+
 @BOTH
 async def test_a_context_that_contradicts_the_task_is_invalid_params(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(text="ok")]
