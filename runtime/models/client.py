@@ -130,6 +130,11 @@ class ModelClient:
         """
         return ChatStream(self, request)
 
+    @property
+    def model(self) -> str:
+        """The model every request asks for (``config.model``)."""
+        return self.config.model
+
     async def list_models(self) -> tuple[str, ...]:
         """The ids in the server's catalog (``GET {base}/models``). Raises a ModelError subclass."""
         response = await self._open("GET", "models", None, accept="application/json")

@@ -37,6 +37,10 @@ DEFAULT_PROBE_TIMEOUT_S = 5.0
 class ModelCatalog(Protocol):
     """What readiness needs of a model client (runtime.models.ModelClient is one)."""
 
+    @property
+    def model(self) -> str:
+        """The model it asks for, which the catalog must offer."""
+
     async def has_model(self, name: str | None = None) -> bool: ...
 
 
@@ -136,8 +140,8 @@ class Health:
             present = await self.model.has_model()
         except Exception as exc:  # ModelError; its detail may hold provider text, so log only
             logger.warning("readiness: the model catalog could not be read: %r", exc)
-            return f"model server unavailable: its catalog could not be read ({type(exc).__name__})"
-        return None if present else "model unavailable: the configured model is absent from the model server's catalog"
+            return f"model server unavailable: its catalog could not be read to find {self.model.model!r} ({type(exc).__name__})"
+        return None if present else f"model unavailable: {self.model.model!r} is absent from the model server's catalog"
 
 
 def _touch(state_dir: Path) -> None:

@@ -68,6 +68,7 @@ async def test_healthz_names_an_unreachable_model_server_without_waiting_on_retr
         assert health.status_code == 503
         problems = health.json()["problems"]
         assert len(problems) == 1 and problems[0].startswith("model server unavailable")
+        assert "to find 'qwen3:4b-instruct'" in problems[0], "the model it looks for is named"
         assert dead_url.split("//")[1].split("/")[0] not in problems[0], "the model server's address is not for clients"
 
 

@@ -82,7 +82,7 @@ async def test_healthz_accumulates_every_problem(keel: Served, tmp_path: Path) -
         f"state directory is not writable: {keel.state_dir}",
         "session store is not initialized: runtime.db is missing",
         "task store is not initialized: tasks.db is missing",
-        "model unavailable: the configured model is absent from the model server's catalog",
+        "model unavailable: 'qwen3:4b-instruct' is absent from the model server's catalog",
     ]
 
 
@@ -114,11 +114,13 @@ async def test_healthz_reports_an_unreachable_model_server_without_its_address(f
 
         async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
             problems = await unready_problems(keel)
-    assert problems == ["model server unavailable: its catalog could not be read (ModelUnavailable)"]
+    assert problems == ["model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct' (ModelUnavailable)"]
     assert str(port) not in problems[0]
 
 
 class StuckCatalog:
+    model = "stuck-model"
+
     async def has_model(self, name: str | None = None) -> bool:
         await trio.sleep_forever()
         raise AssertionError("unreachable")
