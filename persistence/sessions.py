@@ -119,13 +119,20 @@ class SessionLengths:
     last: dict[str, str] = attrs.field(factory=dict)  # the content of the last event, for those written here
     no_steers: set[str] = attrs.field(factory=set)  # sessions with no steer waiting
     max_known: int = 10_000  # then forgotten: a cache, not a record of every session ever written
+    max_last_chars: int = 16 << 20  # likewise once the last events kept come to this many characters
+    last_chars: int = 0
     rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
     careful: bool = False  # a savepoint per write: insert at once, inside it
     now: int = 0
 
     def begin(self, conn: sqlite3.Connection, *, careful: bool) -> None:
         (version,) = conn.execute("PRAGMA data_version").fetchone()
-        if version != self.data_version or len(self.known) > self.max_known or len(self.no_steers) > self.max_known:
+        if (
+            version != self.data_version
+            or len(self.known) > self.max_known
+            or len(self.no_steers) > self.max_known
+            or self.last_chars > self.max_last_chars
+        ):
             self.forget()
             self.data_version = version
         self.rows.clear()
@@ -154,6 +161,7 @@ class SessionLengths:
     def forget(self) -> None:
         self.known.clear()
         self.last.clear()
+        self.last_chars = 0
         self.no_steers.clear()
 
     def length(self, conn: sqlite3.Connection, session_id: str) -> int:
@@ -170,7 +178,9 @@ class SessionLengths:
             self.flush(conn)
         self.known[session_id] = at + len(contents)
         if contents:
+            before = self.last.get(session_id)
             self.last[session_id] = contents[-1]
+            self.last_chars += len(contents[-1]) - (0 if before is None else len(before))
 
     def last_content(self, conn: sqlite3.Connection, session_id: str, length: int) -> str:
         """The content of the session's last event (of ``length``, from ``length()``)."""

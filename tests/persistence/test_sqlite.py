@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from persistence.errors import SchemaError
+from persistence.errors import SchemaError, TranscriptConflict
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
@@ -349,6 +349,23 @@ async def test_the_writers_cache_of_session_lengths_stays_bounded(tmp_path: Path
             assert len(store._lengths.known) <= 21
         await store.append("s3", ['{"n":2}'])  # forgotten, so read again from the table
         assert [e.seq for e in await store.events("s3")] == [0, 1]
+
+
+async def test_the_writers_cache_of_last_events_stays_bounded_in_characters(tmp_path: Path) -> None:
+    # It keeps each session's last event to check that a save extends it without reading it back.
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        store._lengths.max_last_chars = 10_000
+        for k in range(50):
+            await store.save(f"s{k}", [Message(role="user", text="q"), Message(role="assistant", text="x" * 1_000)])
+            assert store._lengths.last_chars <= 10_000 + 1_100
+            assert store._lengths.last_chars == sum(len(content) for content in store._lengths.last.values())
+        # Forgotten or not, a save is checked against what is stored, and extends it.
+        question, follow_up = Message(role="user", text="q"), Message(role="user", text="z")
+        for k in range(50):
+            with pytest.raises(TranscriptConflict):
+                await store.save(f"s{k}", [question, Message(role="assistant", text="y"), follow_up])
+            await store.save(f"s{k}", [question, Message(role="assistant", text="x" * 1_000), follow_up])
+            assert len(await store.messages(f"s{k}")) == 3
 
 
 async def test_a_transcript_outlives_the_store_that_wrote_it(tmp_path: Path) -> None:
