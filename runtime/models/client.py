@@ -53,7 +53,7 @@ class ModelConfig:
     """Where the model is and how long to wait for it.
 
     ``read_timeout_s`` bounds each wait for data: for the answer to start and, when streaming,
-    between two pieces of it. A bound on the whole call is the caller's ``trio.fail_after``.
+    between two pieces of it (keep-alive comments are not data). A bound on the whole call is the caller's ``trio.fail_after``.
     At most ``max_connections`` requests are open at once; the others wait their turn for as
     long as it takes (as a model server queues what it cannot run yet), never failing for it.
     """
@@ -288,6 +288,7 @@ class ChatStream:
     _pending: deque[Delta] = attrs.field(init=False, factory=deque)
     _entered: bool = attrs.field(init=False, default=False)
     _lines_ended: bool = attrs.field(init=False, default=False)
+    _quiet_until: float = attrs.field(init=False, default=0.0)  # when the model has been silent too long
 
     @_assembler.default
     def _new_assembler(self) -> StreamAssembler:
@@ -300,6 +301,7 @@ class ChatStream:
         body = request_body(self._request, model=self._client.config.model, stream=True)
         self._response = await self._client._open("POST", "chat/completions", body, accept="text/event-stream")
         self._lines = self._response.aiter_lines()
+        self._quiet_until = trio.current_time() + self._client.config.read_timeout_s
         return self
 
     async def __aexit__(
@@ -335,16 +337,28 @@ class ChatStream:
     async def __anext__(self) -> Delta:
         if self._lines is None:
             raise RuntimeError("Read a ChatStream inside 'async with client.stream(request) as chunks:'.")
-        while not self._pending:
-            if self._assembler.done:
-                # Read on to the end of the body (nothing follows [DONE]), so the reader ends
-                # on its own rather than being unwound by __aexit__: much cheaper, every call.
-                while not self._lines_ended and await self._read_line() is not None:
-                    pass
-                raise StopAsyncIteration
-            line = await self._read_line()
-            self._pending.extend(self._assembler.end_of_stream() if line is None else self._assembler.feed_line(line))
-        return self._pending.popleft()
+        # httpx bounds each wait for bytes; this bounds the wait for data. A server (or a proxy)
+        # that sends only keep-alive comments would otherwise hold the answer open forever.
+        timeout_s = self._client.config.read_timeout_s
+        with trio.CancelScope(deadline=self._quiet_until) as quiet:
+            while not self._pending:
+                if self._assembler.done:
+                    # Read on to the end of the body (nothing follows [DONE]), so the reader ends
+                    # on its own rather than being unwound by __aexit__: much cheaper, every call.
+                    while not self._lines_ended and await self._read_line() is not None:
+                        pass
+                    raise StopAsyncIteration
+                line = await self._read_line()
+                if line is None:
+                    self._pending.extend(self._assembler.end_of_stream())
+                    continue
+                if line.startswith("data"):
+                    self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
+                self._pending.extend(self._assembler.feed_line(line))
+            return self._pending.popleft()
+        if self._assembler.done:  # the answer was whole; only what followed [DONE] was cut off
+            raise StopAsyncIteration
+        raise ModelTimeout(self._client.config.model, "the rest of the answer", timeout_s, detail="only keep-alive comments arrived")
 
     async def _read_line(self) -> str | None:
         """The next line of the body, or None at its end."""

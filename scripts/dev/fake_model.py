@@ -58,7 +58,9 @@ class Reply:
 
     ``delay_s`` passes before the response starts and ``gap_s`` between two streamed events.
     ``fail_after_chunks=N`` drops the connection after N events (non-streamed: after half the body).
-    ``hang_after_chunks=N`` (streamed only) sends N events and then nothing, until the client leaves.
+    ``hang_after_chunks=N`` (streamed only) sends N events and then nothing, until the client leaves;
+    with ``keepalive_s`` it sends an SSE comment that often meanwhile, as a proxy keeping the
+    connection open does, but no event.
     """
 
     text: str = ""
@@ -68,6 +70,7 @@ class Reply:
     gap_s: float = 0.0
     fail_after_chunks: int | None = None
     hang_after_chunks: int | None = None
+    keepalive_s: float = 0.0
     finish_reason: str = ""  # "" gives "tool_calls" or "stop"
     prompt_tokens: int = 12
     completion_tokens: int = 8
@@ -267,8 +270,11 @@ async def _send_stream(send: Send, reply: Reply, events: Iterator[str], exchange
     for sent, event in enumerate(data):
         if sent == reply.fail_after_chunks:
             return  # returning before the body is complete makes hypercorn drop the connection
-        if sent == reply.hang_after_chunks:
-            await trio.sleep_forever()  # a stalled model; ends when the client goes away
+        if sent == reply.hang_after_chunks:  # a stalled model; ends when the client goes away
+            while reply.keepalive_s:
+                await trio.sleep(reply.keepalive_s)
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+            await trio.sleep_forever()
         if sent and reply.gap_s:
             await trio.sleep(reply.gap_s)
         last = sent == len(data) - 1

@@ -457,6 +457,22 @@ async def test_stream_that_stalls_mid_answer_times_out(fake_model: FakeModel) ->
     assert len(fake_model.bodies) == 1
 
 
+async def test_stream_that_sends_only_keep_alive_comments_times_out_all_the_same(fake_model: FakeModel) -> None:
+    # Bytes keep arriving, so no read waits long; no data does, which is what the bound is about.
+    fake_model.script = [Reply(text="The lease", chunk_chars=32, hang_after_chunks=2, keepalive_s=0.02)]
+    received: list[Delta] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=0.3)) as client:
+            with pytest.raises(ModelTimeout, match=r"nothing arrived within 0.3s while waiting for the rest of the answer") as caught:
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+            await trio.testing.wait_all_tasks_blocked()
+    assert caught.value.detail == "only keep-alive comments arrived"
+    assert received == [TextDelta("The lease")]
+    assert fake_model.disconnects == 1  # the connection was closed, not left to the server
+
+
 async def test_stream_is_read_once(fake_model: FakeModel) -> None:
     fake_model.script = [Reply(text="once")]
     with trio.fail_after(DEADLINE_S):
