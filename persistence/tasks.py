@@ -107,7 +107,9 @@ def _create_txn(conn: sqlite3.Connection, record: TaskRecord, message_id: str | 
         ).fetchone()
         if found is not None:
             raise MessageTaken(str(message_id), found[0]) from exc
-        raise TaskExists(record.id) from exc
+        if conn.execute("SELECT 1 FROM tasks WHERE id = ?", (record.id,)).fetchone() is not None:
+            raise TaskExists(record.id) from exc
+        raise  # not a key taken: the database's own failure (DatabaseFailed, for the writer)
     return record
 
 

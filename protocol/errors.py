@@ -7,6 +7,7 @@ ProtocolError
 ├── InvalidParams                   -32602  a field is missing or has the wrong shape
 │   └── ContextMismatch                     a message's contextId is not its task's
 ├── InternalError                   -32603  a bug or an outage; details stay in the log
+│   ├── StorageFailed                       the server's storage failed (a full disk, say)
 │   ├── EndNotStored                        a blocking send's task ended, its end unwritten
 │   └── StreamCut                           a stream ended before its task did
 ├── TaskNotFound                    -32001  no such task (for this caller)
@@ -121,6 +122,17 @@ class InternalError(ProtocolError):
 
 
 END_NOT_STORED = "its final state could not be stored; GetTask shows it as last stored, and the server log has the details"
+
+
+class StorageFailed(InternalError):
+    """An outage, not a bug: the server's storage failed (a full disk, say) during a request."""
+
+    def __init__(self, what: str) -> None:
+        ProtocolError.__init__(
+            self,
+            f"the server's storage failed while handling {what}; what it acknowledged before is kept. Try again "
+            "shortly (a message sent again with the same messageId is taken once); the server log has the details",
+        )
 
 
 class EndNotStored(InternalError):

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 NOT_STARTED = "the A2A server has not started"
 DEFAULT_PROBE_TIMEOUT_S = 5.0
+MIN_FREE_BYTES = 16 << 20  # less free in the state directory is unready: a turn can write a few MiB
 
 
 class ModelCatalog(Protocol):
@@ -74,6 +75,7 @@ class Health:
     task_file: str = "tasks.db"
     draining: Callable[[], bool] | None = None  # true once the server is shutting down
     probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
+    min_free_bytes: int = attrs.field(default=MIN_FREE_BYTES, validator=attrs.validators.ge(0))
 
     async def problems(self) -> list[str]:
         """Every problem found, in probe order; empty when ready.
@@ -117,10 +119,14 @@ class Health:
 
     async def _state_dir_problem(self) -> str | None:
         try:
-            await trio.to_thread.run_sync(_touch, self.state_dir, abandon_on_cancel=True)
+            free = await trio.to_thread.run_sync(_touch, self.state_dir, abandon_on_cancel=True)
         except OSError as exc:
             logger.warning("readiness: the state directory %s is not writable: %r", self.state_dir, exc)
             return f"state directory is not writable: {self.state_dir}"
+        if free < self.min_free_bytes:
+            # An empty file can still be made on a full disk; a task or an answer cannot be stored.
+            logger.warning("readiness: the state directory %s has %d bytes free", self.state_dir, free)
+            return f"state directory is nearly full: {self.state_dir} has {free} bytes free"
         return None
 
     async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:
@@ -144,11 +150,13 @@ class Health:
         return None if present else f"model unavailable: {self.model.model!r} is absent from the model server's catalog"
 
 
-def _touch(state_dir: Path) -> None:
-    """Create and remove a file in ``state_dir``. Blocking."""
+def _touch(state_dir: Path) -> int:
+    """Create and remove a file in ``state_dir``; return the bytes free there. Blocking."""
     fd, name = tempfile.mkstemp(prefix=".readiness-", dir=state_dir)
     os.close(fd)
     os.unlink(name)
+    usage = os.statvfs(state_dir)
+    return usage.f_bavail * usage.f_frsize
 
 
 def _inspect_existing(path: Path, schema: Schema) -> None:

@@ -7,8 +7,9 @@ Two failures happen before JSON-RPC is reached and get an HTTP status of their o
 a JSON-RPC error body: a body over the size limit (413) and a body declared as something other
 than JSON (415).
 
-Protocol errors become error objects in the request's version. Anything else is a bug or an
-outage: it is logged with its traceback and answered -32603 with a message that names nothing
+Protocol errors become error objects in the request's version. A store that fails (a full
+disk, say) is an outage: logged in one line, and answered -32603 saying so. Anything else is a
+bug: it is logged with its traceback and answered -32603 with a message that names nothing
 internal.
 """
 
@@ -22,6 +23,7 @@ import attrs
 from quart import Response, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from persistence.errors import DatabaseFailed, StoreClosed
 from protocol import (
     VERSION_HEADER,
     InternalError,
@@ -35,6 +37,7 @@ from protocol import (
     RequestRejected,
     Route,
     SendMessageParams,
+    StorageFailed,
     TaskIdParams,
     TaskIsTerminal,
     TaskQueryParams,
@@ -121,6 +124,9 @@ class JsonRpcEndpoint:
             return json_response(success_response(request_id, result))  # encoding can fail too
         except ProtocolError as exc:
             return json_response(error_response(request_id, exc, target.version))
+        except (DatabaseFailed, StoreClosed) as exc:  # an outage, not a bug: one line in the log
+            logger.error("JSON-RPC %s failed: %s", target.method, exc)
+            return json_response(error_response(request_id, StorageFailed(f"{target.method!r}"), target.version))
         except Exception:
             logger.exception("JSON-RPC %s failed", target.method)
             error = InternalError(f"{target.method!r}")

@@ -86,6 +86,20 @@ async def test_healthz_accumulates_every_problem(keel: Served, tmp_path: Path) -
     ]
 
 
+async def test_healthz_reports_a_state_directory_too_full_to_store_a_turn(fake_model: FakeModel, tmp_path: Path) -> None:
+    # An empty file can be made on a full disk, so making one proves little; the room left is
+    # what a turn needs. Here "too full" is set past what any disk has free.
+    def health_for(state_dir: Path, model: ModelClient) -> Health:
+        return Health(state_dir=state_dir, model=model, min_free_bytes=1 << 62)
+
+    async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
+        problems = await unready_problems(keel)
+    [problem] = problems
+    prefix = f"state directory is nearly full: {keel.state_dir} has "
+    assert problem.startswith(prefix) and problem.endswith(" bytes free")
+    assert int(problem.removeprefix(prefix).removesuffix(" bytes free")) > 0
+
+
 async def test_healthz_reports_damaged_and_foreign_databases(fake_model: FakeModel, tmp_path: Path) -> None:
     other = tmp_path / "other-state"
     other.mkdir()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,7 +18,7 @@ import trio.testing
 from fake_model import ErrorReply, FakeModel, Reply
 
 from protocol.jsonrpc import MAX_DEPTH
-from runtime.runner import ANONYMOUS
+from runtime.runner import ANONYMOUS, Runner
 from runtime.surface import SurfaceConfig
 from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message, serve_keel
 
@@ -763,14 +765,43 @@ async def test_a2a_json_content_type_is_accepted(keel: Served) -> None:
 
 
 async def test_an_unexpected_failure_is_an_internal_error_that_names_nothing_internal(
-    keel: Served, caplog: pytest.LogCaptureFixture
+    keel: Served, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await keel.tasks.aclose()  # every read of a task now fails inside the store
+    async def broken_get(_runner: Runner, _owner: str, _task_id: str) -> None:
+        raise KeyError("the runner's private table")  # a bug, as a bug would surface
+
+    monkeypatch.setattr(Runner, "get", broken_get)
     with caplog.at_level(logging.ERROR, logger="runtime.surface"):
         error = await keel.error("GetTask", {"id": "x"})
     check_error(error, -32603, V1, "INTERNAL_ERROR")
-    assert str(keel.state_dir) not in error["message"] and "tasks.db" not in error["message"]
-    assert any(record.exc_info for record in caplog.records)  # the details are in the log
+    assert error["message"] == "internal error while handling 'GetTask'; the server log has the details"
+    assert any(record.exc_info for record in caplog.records)  # the details, with the traceback, are in the log
+
+
+async def test_a_failing_store_is_an_internal_error_that_says_storage_failed_and_logs_one_line(
+    keel: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SQLite itself fails every new task, as it does on a full disk; then the disk has room again.
+    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
+        conn.execute("CREATE TRIGGER full BEFORE INSERT ON tasks BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    keel.model.script = [Reply(text="Stored.")]
+    with caplog.at_level(logging.ERROR, logger="runtime.surface"):
+        error = await keel.error("SendMessage", send_params("Is there room?", V1))
+    check_error(error, -32603, V1, "INTERNAL_ERROR")
+    assert error["message"].startswith("the server's storage failed while handling 'SendMessage'; what it acknowledged")
+    assert str(keel.state_dir) not in error["message"] and "disk" not in error["message"]
+    [logged] = caplog.records
+    assert "tasks.db" in logged.getMessage() and "database or disk is full" in logged.getMessage()
+    assert logged.exc_info is None  # an outage, not a bug: no traceback
+    assert keel.model.bodies == []
+    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
+        conn.execute("DROP TRIGGER full")
+    done = await keel.send("Is there room now?")
+    assert done["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 1
+    await keel.tasks.aclose()  # a closed store is an outage too
+    error = await keel.error("GetTask", {"id": done["id"]})
+    assert error["message"].startswith("the server's storage failed while handling 'GetTask'")
 
 
 # -- paths ------------------------------------------------------------------------------------
