@@ -121,7 +121,10 @@ class InternalError(ProtocolError):
         super().__init__(f"internal error while handling {what}; the server log has the details")
 
 
-END_NOT_STORED = "its final state could not be stored; GetTask shows it as last stored, and the server log has the details"
+END_NOT_STORED = (
+    "its final state could not be stored yet; the server keeps trying, and until then GetTask shows it as last stored "
+    "(the server log has the details)"
+)
 
 
 class StorageFailed(InternalError):

@@ -7,6 +7,7 @@ only its own subscription.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -34,6 +35,7 @@ from protocol import (
     TaskArtifactUpdateEvent,
     TaskIsTerminal,
     TaskNotCancelable,
+    TaskNotFound,
     TaskState,
     TaskStatus,
     TextPart,
@@ -64,6 +66,9 @@ logger = logging.getLogger(__name__)
 ANONYMOUS = "anonymous"  # the owner of every task until requests carry an identity
 ANSWER_ARTIFACT = "answer"
 HISTORY_WRITE_ATTEMPTS = 5
+# A final state the store refused is tried again after 1 s, then twice as long each time, at most 30 s apart.
+END_RETRY_FIRST_S = 1.0
+END_RETRY_MAX_S = 30.0
 
 
 Outcome = Callable[[Task], Task]
@@ -381,18 +386,40 @@ class Runner:
         finally:
             if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
                 final = CANCELED
-            try:
-                # Shielded and bounded inside; a CancelTask may have written the end already.
-                await live.persist(self.tasks, _unless_settled(final))
-            except (store_errors.StoreError, TimeoutError) as exc:
-                logger.error("task %s: its final state could not be stored: %s", live.task.id, exc)
-                live.close(end_stored=False)
+            await self._store_end(live, final)
             live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]
             del self._live[live.task.id]
             if not self._live:
                 self._idle.set()
+
+    async def _store_end(self, live: LiveTask, final: Outcome) -> None:
+        """Write the run's final state. If the store fails (a full disk, say), subscribers and a
+        blocking send are told at once, and the write is tried again, less and less often, until
+        it is stored or the runner stops; the next process then adopts the task (_adopt_orphans)."""
+        delay = 0.0
+        while True:
+            try:
+                # Shielded and bounded inside; a CancelTask may have written the end already.
+                await live.persist(self.tasks, _unless_settled(final))
+                if delay:
+                    logger.info("task %s: its final state is stored now", live.task.id)
+                return
+            except (store_errors.StoreError, TimeoutError) as exc:
+                if isinstance(exc, store_errors.VersionConflict):
+                    # A write given up on when its bound ran out has landed since: start from it.
+                    with contextlib.suppress(store_errors.StoreError, TimeoutError, TaskNotFound):
+                        await live.reload(self.tasks)
+                elif not delay:
+                    logger.error("task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc)
+                    live.close(end_stored=False)
+            if self._stopping.is_set():
+                logger.warning("task %s: its final state is not stored; the next process to start resumes it", live.task.id)
+                return
+            delay = min(max(2 * delay, END_RETRY_FIRST_S), END_RETRY_MAX_S)
+            with trio.move_on_after(delay):
+                await self._stopping.wait()
 
     async def _turn(self, live: LiveTask) -> Outcome:
         """One turn on the task's session: the agent loop, WORKING durable before the model is

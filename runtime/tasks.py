@@ -178,6 +178,12 @@ class LiveTask:
             self.close()
         return task
 
+    async def reload(self, tasks: TaskStore) -> None:
+        """Take the task and its version as stored: after a write given up on (its bound ran out)
+        has landed after all, the version known here is stale."""
+        async with holding(self._writing):
+            self.task, self.version = await load(tasks, self.owner, self.task.id)
+
     def subscribe(self) -> trio.MemoryReceiveChannel[StreamItem]:
         """A channel that starts with the task as it stands, then carries every event. It ends
         after the task settles, or, cut short, with a StreamCut saying why."""

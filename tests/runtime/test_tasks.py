@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from persistence.api import TaskRecord
 from persistence.errors import StoreClosed
@@ -200,3 +201,36 @@ async def test_a_blocking_send_is_told_when_the_tasks_end_could_not_be_stored() 
             await runner.wait_settled(ANONYMOUS, task.id)  # what a blocking SendMessage waits on
     assert task.id in str(raised.value) and "could not be stored" in str(raised.value)
     assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
+
+
+async def test_an_end_that_could_not_be_stored_is_tried_again_until_the_store_takes_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        sessions.release.set()
+        with trio.fail_after(10), pytest.raises(EndNotStored, match="the server keeps trying"):
+            await runner.wait_settled(ANONYMOUS, task.id)
+        await trio.sleep(100)  # the disk stays full for 100 s
+        attempts = [state for state, _ in tasks.writes].count("TASK_STATE_COMPLETED")
+        assert 5 <= attempts <= 8  # after 1, 2, 4, 8, 16 and 30 s: less and less often
+        assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING
+        tasks.fail_at = None  # room again
+        with trio.fail_after(31):
+            while decode(await tasks.get(ANONYMOUS, task.id)).status.state is not TaskState.COMPLETED:
+                await trio.sleep(1)
+        assert runner.statistics().running == 0
+    stored = decode(await tasks.get(ANONYMOUS, task.id))
+    assert stored.status.message is not None and stored.status.message.parts[0].text == "All done."
+
+
+async def test_a_runner_that_stops_leaves_an_end_it_could_not_store_to_the_next_process() -> None:
+    tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        sessions.release.set()
+        with trio.fail_after(10), pytest.raises(EndNotStored):
+            await runner.wait_settled(ANONYMOUS, task.id)
+        runner.stop()
+        with trio.fail_after(10):
+            await runner.wait_stopped()  # not held up by the retries
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # adopted at the next start
