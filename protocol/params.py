@@ -13,6 +13,7 @@ from datetime import datetime
 import attrs
 
 from protocol._json import JsonObject, JsonReader, compact, format_timestamp, str_tuple
+from protocol.errors import InvalidParams
 from protocol.messages import Message
 from protocol.states import TaskState
 from protocol.tasks import Task
@@ -21,6 +22,9 @@ from protocol.versions import ProtocolVersion
 V1 = ProtocolVersion.V1_0
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 100
+# The longest id a client may have stored (messageId, contextId, referenceTaskIds). Each is a key
+# the server keeps many copies of: in every message of a conversation, in every task, in caches.
+MAX_ID_CHARS = 512
 
 
 @attrs.frozen(kw_only=True)
@@ -72,8 +76,10 @@ class SendMessageParams:
     def from_json(cls, params: object, version: ProtocolVersion) -> SendMessageParams:
         reader = JsonReader.of(params, "")
         configuration = reader.opt_child("configuration")
+        message = Message.from_json(reader.value("message"), version, "message")
+        _check_ids(message)
         return cls(
-            message=Message.from_json(reader.value("message"), version, "message"),
+            message=message,
             configuration=SendConfiguration()
             if configuration is None
             else SendConfiguration.from_json(configuration, version),
@@ -85,6 +91,14 @@ class SendMessageParams:
         return compact(
             [("message", self.message.to_json(version)), ("configuration", configuration), ("metadata", self.metadata)]
         )
+
+
+def _check_ids(message: Message) -> None:
+    ids = {"message.messageId": message.message_id, "message.taskId": message.task_id, "message.contextId": message.context_id}
+    ids |= {f"message.referenceTaskIds[{index}]": task_id for index, task_id in enumerate(message.reference_task_ids)}
+    for field, value in ids.items():
+        if value is not None and len(value) > MAX_ID_CHARS:
+            raise InvalidParams(field, problem=f"is {len(value)} characters long; an id may be at most {MAX_ID_CHARS}")
 
 
 @attrs.frozen(kw_only=True)

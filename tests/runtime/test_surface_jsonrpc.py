@@ -17,6 +17,7 @@ import trio
 import trio.testing
 from fake_model import ErrorReply, FakeModel, Reply
 
+from protocol import MAX_ID_CHARS
 from protocol.jsonrpc import MAX_DEPTH
 from runtime.runner import ANONYMOUS, Runner
 from runtime.surface import SurfaceConfig
@@ -598,6 +599,25 @@ async def test_a_long_name_a_client_sent_is_clipped_in_the_error_that_names_it(k
     for method, params, named in (("GetTask", {"id": "t" * 10_000}, "task 'tttt"), ("m" * 10_000, {}, "method 'mmmm")):
         error = await keel.error(method, params)
         assert named in error["message"] and "..." in error["message"] and len(error["message"]) < 200
+
+
+async def test_an_id_longer_than_the_server_keeps_is_refused_and_one_at_the_limit_is_taken(keel: Served) -> None:
+    # A contextId is stored with every message of its conversation: a 900 000-character one made
+    # each turn write megabytes, and the store's caches hold one key each for 10 000 sessions.
+    keel.model.script = [Reply(text="fine")] * 2
+    for field, sent in (
+        ("messageId", {**message("hello", V1), "messageId": "m" * (MAX_ID_CHARS + 1)}),
+        ("contextId", message("hello", V1, contextId="c" * 900_000)),
+        ("referenceTaskIds[1]", message("hello", V1, referenceTaskIds=["t1", "t" * (MAX_ID_CHARS + 1)])),
+    ):
+        error = await keel.error("SendMessage", {"message": sent})
+        check_error(error, -32602, V1, "INVALID_PARAMS")
+        assert f"'message.{field}' is " in error["message"] and f"an id may be at most {MAX_ID_CHARS}" in error["message"]
+        assert len(error["message"]) < 200
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 0 and keel.model.bodies == []
+    longest = "c" * MAX_ID_CHARS
+    done = await keel.send("hello", contextId=longest)
+    assert done["contextId"] == longest and done["status"]["state"] == "TASK_STATE_COMPLETED"
 
 
 async def test_a_body_that_begins_with_a_byte_order_mark_is_read(keel: Served) -> None:
