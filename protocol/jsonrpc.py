@@ -116,6 +116,8 @@ def load_json(body: bytes | str) -> object:
     except RecursionError:
         raise ParseError(f"nested more than {MAX_DEPTH} deep; flatten it") from None
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        if not text.strip():
+            raise ParseError("the body is empty; send a JSON-RPC 2.0 request object") from None
         raise ParseError(str(exc)) from None
 
 

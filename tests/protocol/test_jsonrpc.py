@@ -61,6 +61,11 @@ def test_parse_request_parse_error_keeps_the_parser_reason() -> None:
     )
 
 
+def test_parse_request_says_an_empty_body_is_empty() -> None:
+    for body in (b"", b"  \r\n", b"\xef\xbb\xbf", "\ufeff "):
+        assert rejected(body).error.message == "request body is not valid JSON: the body is empty; send a JSON-RPC 2.0 request object"
+
+
 def test_parse_request_refuses_json_nested_past_the_limit_however_deep() -> None:
     for depth in (MAX_DEPTH + 1, 5_000, 1_000_000):
         body = '{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":' + "[" * (depth - 2) + "]" * (depth - 2) + "}}"
