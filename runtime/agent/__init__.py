@@ -1,6 +1,6 @@
 """The agent loop: steps, steers, saves and tool calls. It knows no HTTP server."""
 
-from runtime.agent.errors import AgentError, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, RunFinished, SaveFailed
+from runtime.agent.errors import AgentError, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, RunFinished, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.loop import AgentRun, AgentSpec, Model, Result
 from runtime.agent.steers import STEER_LABEL
@@ -12,6 +12,7 @@ __all__ = [
     "AgentEvent",
     "AgentRun",
     "AgentSpec",
+    "AnswerFiltered",
     "AnswerTooLarge",
     "AnswerTruncated",
     "BudgetExhausted",

@@ -5,6 +5,7 @@ AgentError
 ├── MaxStepsReached   the model was still calling tools after max_steps requests
 ├── AnswerTruncated   the model's answer was cut off at its length limit
 ├── AnswerTooLarge    the model's answer grew past what one message of a transcript may hold
+├── AnswerFiltered    the model's provider withheld its answer (a content filter)
 ├── SaveFailed        the session could not be written or its steers taken
 └── RunFinished       a steer for a run that has ended
 
@@ -48,6 +49,14 @@ class AnswerTooLarge(AgentError):
         super().__init__(
             f"the model's answer grew past {limit} bytes, the most one message of a conversation may hold, "
             "and was cut off there; ask for a shorter answer, or give the model a lower output limit"
+        )
+
+
+class AnswerFiltered(AgentError):
+    def __init__(self) -> None:
+        super().__init__(
+            "the model's answer was withheld by its provider's content filter (finish_reason 'content_filter'); "
+            "rephrase the request"
         )
 
 

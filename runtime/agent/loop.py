@@ -21,7 +21,7 @@ import trio
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
-from runtime.agent.errors import AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
+from runtime.agent.errors import AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import STEER_LABEL, SteerBox
 from runtime.agent.tools import Tool, call_tool
@@ -136,6 +136,7 @@ class AgentRun:
         Cancellation ends it promptly (see the class docstring). Raises BudgetExhausted or
         MaxStepsReached when the model will not conclude (the last step's work is stored first),
         AnswerTruncated when its answer stops at its length limit (the text is kept as partial),
+        AnswerFiltered when its provider's content filter withholds the answer (likewise),
         AnswerTooLarge when its answer grows past what one stored message may hold (the text is
         kept as partial, cut to fit; a tool's output that large is cut short instead, saying so),
         SaveFailed when the session cannot be written (the run stops before its next model
@@ -294,6 +295,8 @@ class AgentRun:
                     # Not an answer to act on: its end, and maybe its tool calls, are missing.
                     # The text is kept as partial, like a cancelled answer's.
                     raise AnswerTruncated()
+                if completion.finish_reason == "content_filter":  # likewise: what is there is not all of it
+                    raise AnswerFiltered()
                 if completion.message.oversize(limit) is not None:
                     raise AnswerTooLarge(limit)
         except BaseException:

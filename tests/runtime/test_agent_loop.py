@@ -22,6 +22,7 @@ from runtime.agent import (
     AgentEvent,
     AgentRun,
     AgentSpec,
+    AnswerFiltered,
     AnswerTooLarge,
     AnswerTruncated,
     BudgetExhausted,
@@ -220,14 +221,18 @@ async def test_max_steps_bounds_a_round_below_the_budget(fake_model: FakeModel) 
     assert len(fake_model.bodies) == 3
 
 
-async def test_an_answer_cut_off_at_its_length_limit_fails_the_run_and_is_kept_as_partial(
-    fake_model: FakeModel, tmp_path: Path
+@pytest.mark.parametrize(
+    ("finish_reason", "error", "says"),
+    [("length", AnswerTruncated, "cut off at its length limit"), ("content_filter", AnswerFiltered, "withheld by its provider's content filter")],
+)
+async def test_an_answer_cut_off_at_its_length_limit_or_by_a_filter_fails_the_run_and_is_kept_as_partial(
+    fake_model: FakeModel, tmp_path: Path, finish_reason: str, error: type[Exception], says: str
 ) -> None:
     path = tmp_path / "runtime.db"
-    fake_model.script = [Reply(text="The lease expired at", finish_reason="length")]
+    fake_model.script = [Reply(text="The lease expired at", finish_reason=finish_reason)]
     with trio.fail_after(DEADLINE_S):
         async with open_session_store(path) as store:
-            with pytest.raises(AnswerTruncated, match="cut off at its length limit"):
+            with pytest.raises(error, match=says):
                 await run_turn(fake_model, AgentSpec(), question(), session=Session.open(SESSION, store))
         stored = await stored_messages(path, SESSION)
     assert stored == [*question(), Message(role="assistant", text="The lease expired at", partial=True)]
