@@ -386,18 +386,19 @@ class Runner:
         finally:
             if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
                 final = CANCELED
-            await self._store_end(live, final)
-            live.close()
+            if await self._store_end(live, final):
+                live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]
             del self._live[live.task.id]
             if not self._live:
                 self._idle.set()
 
-    async def _store_end(self, live: LiveTask, final: Outcome) -> None:
+    async def _store_end(self, live: LiveTask, final: Outcome) -> bool:
         """Write the run's final state. If the store fails (a full disk, say), subscribers and a
         blocking send are told at once, and the write is tried again, less and less often, until
-        it is stored or the runner stops; the next process then adopts the task (_adopt_orphans)."""
+        it is stored or the runner stops; the next process then adopts the task (_adopt_orphans).
+        Returns whether it is stored."""
         delay = 0.0
         while True:
             try:
@@ -405,7 +406,7 @@ class Runner:
                 await live.persist(self.tasks, _unless_settled(final))
                 if delay:
                     logger.info("task %s: its final state is stored now", live.task.id)
-                return
+                return True
             except (store_errors.StoreError, TimeoutError) as exc:
                 if isinstance(exc, store_errors.VersionConflict):
                     # A write given up on when its bound ran out has landed since: start from it.
@@ -416,7 +417,7 @@ class Runner:
                     live.close(end_stored=False)
             if self._stopping.is_set():
                 logger.warning("task %s: its final state is not stored; the next process to start resumes it", live.task.id)
-                return
+                return False
             delay = min(max(2 * delay, END_RETRY_FIRST_S), END_RETRY_MAX_S)
             with trio.move_on_after(delay):
                 await self._stopping.wait()

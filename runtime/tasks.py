@@ -223,10 +223,11 @@ class LiveTask:
         """The task has settled: end every subscription after what was already sent. The run may
         still be ending (saving a partial answer); nothing it publishes now is sent. With
         ``end_stored=False`` (the run's final state could not be written) each subscription ends
-        instead with a StreamCut saying so, and a blocking send is told the same (EndNotStored)."""
+        instead with a StreamCut saying so, and a blocking send is told the same (EndNotStored),
+        until a later write of the end succeeds and closes it again."""
         cut = None
+        self.end_stored = end_stored
         if not end_stored:
-            self.end_stored = False
             cut = StreamCut(self.task.id, END_NOT_STORED)
         self.settled.set()
         for receive in list(self._subscribers):

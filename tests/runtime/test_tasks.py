@@ -219,6 +219,7 @@ async def test_an_end_that_could_not_be_stored_is_tried_again_until_the_store_ta
         with trio.fail_after(31):
             while decode(await tasks.get(ANONYMOUS, task.id)).status.state is not TaskState.COMPLETED:
                 await trio.sleep(1)
+        assert (await runner.wait_settled(ANONYMOUS, task.id)).status.state is TaskState.COMPLETED  # no EndNotStored now
         assert runner.statistics().running == 0
     stored = decode(await tasks.get(ANONYMOUS, task.id))
     assert stored.status.message is not None and stored.status.message.parts[0].text == "All done."
@@ -234,3 +235,19 @@ async def test_a_runner_that_stops_leaves_an_end_it_could_not_store_to_the_next_
         with trio.fail_after(10):
             await runner.wait_stopped()  # not held up by the retries
     assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # adopted at the next start
+
+
+async def test_a_cancel_while_the_end_is_tried_again_settles_the_task_for_good(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")  # CANCELED, unlike COMPLETED, can be written
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        sessions.release.set()
+        with trio.fail_after(10), pytest.raises(EndNotStored):
+            await runner.wait_settled(ANONYMOUS, task.id)
+        assert (await runner.cancel(ANONYMOUS, task.id)).status.state is TaskState.CANCELED
+        assert (await runner.wait_settled(ANONYMOUS, task.id)).status.state is TaskState.CANCELED
+        attempts = len(tasks.writes)
+        await trio.sleep(100)
+        assert len(tasks.writes) <= attempts + 1 and runner.statistics().running == 0  # the retries stopped
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.CANCELED
