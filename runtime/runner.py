@@ -230,6 +230,13 @@ class Runner:
         state = task.status.state
         if state.is_terminal:
             raise TaskIsTerminal(task_id, state.value, "take a message")
+        ahead = None if live is None or live.in_turn else self._turn_holder(task.context_id)
+        if ahead is not None:
+            # Stored for the conversation, it would steer the run that holds the turn, not this task.
+            raise UnsupportedOperation(
+                f"task {task_id!r} has not started: it waits while task {ahead.task.id!r} has its conversation's turn; "
+                "send this message again once the task is working, or send it to that task to steer it"
+            )
         message = attrs.evolve(message, context_id=task.context_id)
         text = readable_text(message)
         self._refuse_oversize(Transcribed(role="user", text=STEER_LABEL + text))
@@ -428,7 +435,7 @@ class Runner:
         task = live.task
         session = Session.open(task.context_id, self.sessions)
         await self._wait_in_line(task.id)
-        async with self.sessions.turn_lock(task.context_id):
+        async with self._taking_turn(live):
             # The first turn of a context minted for this task has nothing stored to read. (Only
             # the reply to this task's send names that context, and this run takes the lock in
             # its first step, long before another request could: no other turn comes first.)
@@ -461,6 +468,20 @@ class Runner:
                         logger.warning("task %s failed: %r, from %r", task.id, exc, exc.__cause__)
                     return _settle(TaskState.FAILED, f"The task failed: {exc}")
         return self._completed(live, result.output)
+
+    @asynccontextmanager
+    async def _taking_turn(self, live: LiveTask) -> AsyncIterator[None]:
+        """The turn of the task's conversation: one task's run at a time, the others waiting."""
+        async with self.sessions.turn_lock(live.task.context_id):
+            live.in_turn = True
+            try:
+                yield
+            finally:
+                live.in_turn = False
+
+    def _turn_holder(self, context_id: str) -> LiveTask | None:
+        """The task of this process whose run holds the conversation's turn, if one does."""
+        return next((live for live in self._live.values() if live.in_turn and live.task.context_id == context_id), None)
 
     def _completed(self, live: LiveTask, output: str) -> Outcome:
         task = live.task

@@ -381,6 +381,27 @@ async def test_a_message_to_a_working_task_steers_its_next_model_request(keel: S
     assert steer_at > second.index("the gate opened")  # placed where the run had got to
 
 
+async def test_a_message_to_a_task_waiting_for_its_conversations_turn_is_refused_not_given_to_the_run_ahead(
+    keel: Served,
+) -> None:
+    # Stored for the conversation, it used to steer the run that had the turn: another task's.
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Checkout fixed."), Reply(text="Cart fixed.")]
+    first = await keel.send("Fix checkout", blocking=False)
+    await keel.gate.wait_entered()
+    second = await keel.send("Then fix the cart", blocking=False, contextId=first["contextId"])
+    assert second["status"]["state"] == "TASK_STATE_SUBMITTED"
+    error = await keel.error("SendMessage", {"message": message("Only the mobile cart", V1, taskId=second["id"])})
+    check_error(error, -32004, V1, "UNSUPPORTED_OPERATION")
+    assert f"task {second['id']!r} has not started: it waits while task {first['id']!r} has its conversation's turn" in error["message"]
+    keel.gate.opened.set()
+    for task in (first, second):
+        assert (await keel.runner.wait_settled(ANONYMOUS, task["id"])).status.state.value == "completed"
+    sent = [m.get("content") or "" for body in keel.model.bodies for m in body["messages"]]
+    assert not any("mobile cart" in text for text in sent)
+    history = (await keel.result("GetTask", {"id": second["id"]}))["history"]
+    assert [m["parts"][0]["text"] for m in history] == ["Then fix the cart", "Cart fixed."]  # nothing of the refused one
+
+
 async def test_a_steer_sent_again_is_taken_once_and_after_the_end_still_gets_its_task(keel: Served) -> None:
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Used the staging runbook.")]
     task = await keel.send("Fix checkout", blocking=False)
