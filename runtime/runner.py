@@ -419,11 +419,12 @@ class Runner:
                     # A write given up on when its bound ran out has landed since: start from it.
                     with contextlib.suppress(store_errors.StoreError, TimeoutError, TaskNotFound):
                         await live.reload(self.tasks)
-                elif not delay:
+                elif live.end_stored:  # the first failure: said once, to the log and to whoever waits
                     logger.error("task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc)
                     live.close(end_stored=False)
             if self._stopping.is_set():
                 logger.warning("task %s: its final state is not stored; the next process to start resumes it", live.task.id)
+                live.close(end_stored=False)
                 return False
             delay = min(max(2 * delay, END_RETRY_FIRST_S), END_RETRY_MAX_S)
             with trio.move_on_after(delay):
