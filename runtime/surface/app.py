@@ -27,9 +27,10 @@ client that goes away ends only that request.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 from quart import Response
 from quart_trio import QuartTrio
 from werkzeug.datastructures import Headers
@@ -84,6 +85,39 @@ def create_app(
     app.before_request(refuse_until_ready)
     app.register_error_handler(HTTPException, _plain_http_error)
     app.register_error_handler(Exception, _internal_error)
+    app.asgi_app = _ending_uncancelled(app.asgi_app)  # type: ignore[method-assign]
+    return app
+
+
+FINAL_SEND_BOUND_S = 60.0  # a client taking none of it is cut off sooner (AGENT_SEND_TIMEOUT_S)
+Asgi = Any  # an ASGI callable, message or send: hypercorn's typing is richer than this module needs
+
+
+def _ending_uncancelled(asgi_app: Asgi) -> Asgi:
+    """The app, with the last message of each response sent shielded from cancellation.
+
+    hypercorn ends the exchange inside that send: it tells the app the request is over
+    (``http.disconnect``), then closes the connection if it is not kept alive (the client sent
+    ``Connection: close``, spoke HTTP/1.0, or was refused before its body was read). Quart-Trio
+    cancels its own send as soon as it hears ``http.disconnect``, so the close was cut off midway
+    and the connection stayed open until the client gave up: a client that reads to the end of
+    the connection waited forever.
+    """
+
+    async def app(scope: Asgi, receive: Asgi, send: Asgi) -> None:
+        if scope["type"] != "http":
+            await asgi_app(scope, receive, send)
+            return
+
+        async def send_ending_uncancelled(message: Asgi) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.move_on_after(FINAL_SEND_BOUND_S, shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await asgi_app(scope, receive, send_ending_uncancelled)
+
     return app
 
 

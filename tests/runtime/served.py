@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
@@ -140,6 +141,18 @@ class Served:
             return await self.result("message/send", params, version=None)  # type: ignore[no-any-return]
         params = {"message": message(text, version, **ids), "configuration": {"returnImmediately": not blocking}}
         return (await self.result("SendMessage", params, version=version))["task"]  # type: ignore[no-any-return]
+
+    async def exchange_raw(self, request: bytes) -> bytes:
+        """Send ``request`` as written on a new connection, and read until the server closes it."""
+        address = urlsplit(self.url)
+        assert address.hostname is not None and address.port is not None
+        received = b""
+        with trio.fail_after(DEADLINE_S):
+            async with await trio.open_tcp_stream(address.hostname, address.port) as stream:
+                await stream.send_all(request)
+                while chunk := await stream.receive_some():
+                    received += chunk
+        return received
 
     async def wait_for_model_requests(self, count: int) -> None:
         """Poll (with a deadline) until the fake model has been asked ``count`` times in all."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import sqlite3
 from pathlib import Path
@@ -183,6 +184,23 @@ async def test_the_agent_card_never_shows_the_system_prompt_and_sends_no_cors(ke
     response = await get(keel, CARD)
     assert SYSTEM_PROMPT not in response.text and "SECRET-PROMPT-MARKER" not in response.text
     assert not [name for name in response.headers if name.lower().startswith("access-control-")]
+
+
+@pytest.mark.parametrize("host", ["[::1", "a b", "x:99999", "", "card.example/evil?", "\u00fc.example"])
+async def test_an_agent_card_asked_for_with_a_host_that_is_no_host_names_the_address_it_came_in_on(
+    keel: Served, host: str
+) -> None:
+    raw = await keel.exchange_raw(f"GET {CARD} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert {interface["url"] for interface in json.loads(body)["supportedInterfaces"]} == {keel.url}
+
+
+async def test_an_agent_card_names_the_host_a_client_reached_it_by(keel: Served) -> None:
+    for host, url in (("agents.example", "http://agents.example/"), ("[::1]:8080", "http://[::1]:8080/"), ("10.0.0.7:80", "http://10.0.0.7:80/")):
+        with trio.fail_after(DEADLINE_S):
+            card = (await keel.http.get(CARD, headers={"Host": host})).json()
+        assert {interface["url"] for interface in card["supportedInterfaces"]} == {url}
 
 
 async def test_the_agent_card_names_the_configured_endpoint(fake_model: FakeModel, tmp_path: Path) -> None:

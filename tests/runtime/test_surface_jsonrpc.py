@@ -607,6 +607,28 @@ async def post_raw(keel: Served, content: bytes, content_type: str = "applicatio
         return await keel.http.post("/", content=content, headers={"content-type": content_type, **headers})
 
 
+GET_TASK_X = b'{"jsonrpc":"2.0","id":1,"method":"GetTask","params":{"id":"x"}}'
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /livez HTTP/1.1\r\nHost: keel\r\nConnection: close\r\n\r\n",
+        b"GET /livez HTTP/1.0\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: keel\r\nConnection: close\r\nContent-Type: application/json\r\nA2A-Version: 1.0\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(GET_TASK_X), GET_TASK_X),
+        # Refused before its body is read: the rest of it must not be taken for another request.
+        b"POST / HTTP/1.1\r\nHost: keel\r\nContent-Type: application/json\r\nContent-Length: 5000000\r\n\r\n" + b"x" * 100_000,
+    ],
+    ids=["connection close", "http/1.0", "json-rpc, connection close", "refused before its body"],
+)
+async def test_a_connection_that_is_not_kept_alive_is_closed_after_its_answer(keel: Served, request_bytes: bytes) -> None:
+    # hypercorn closes it inside the app's last send, which Quart-Trio used to cancel midway.
+    raw = await keel.exchange_raw(request_bytes)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] in (b"200", b"413") and body.endswith(b"}")
+
+
 async def test_a_body_that_is_not_json_is_a_parse_error(keel: Served) -> None:
     response = await post_raw(keel, b'{"jsonrpc":"2.0","id":19,"method":')
     assert response.status_code == 200
