@@ -53,9 +53,10 @@ class ModelConfig:
     """Where the model is and how long to wait for it.
 
     ``read_timeout_s`` bounds each wait for data: for the answer to start and, when streaming,
-    between two pieces of it (keep-alive comments are not data). A bound on the whole call is the caller's ``trio.fail_after``.
-    At most ``max_connections`` requests are open at once; the others wait their turn for as
-    long as it takes (as a model server queues what it cannot run yet), never failing for it.
+    between two pieces of it (keep-alive comments are not data). A bound on the whole call is
+    the caller's ``trio.fail_after``. At most ``max_connections`` requests are open at once; the
+    others wait their turn for as long as it takes (as a model server queues what it cannot run
+    yet), never failing for it.
     """
 
     base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url)
