@@ -347,9 +347,11 @@ class AgentRun:
 
 
 def _characters(delta: Delta) -> int:
+    """The characters a delta adds to the answer. A whole ToolCall, sent once a stream has given
+    its pieces, adds none: the completion's own check counts it."""
     if isinstance(delta, ModelText):
         return len(delta.text)
-    if isinstance(delta, ToolCallDelta | ToolCall):
+    if isinstance(delta, ToolCallDelta):
         return len(delta.id) + len(delta.name) + len(delta.arguments)
     return 0
 

@@ -32,7 +32,7 @@ from runtime.models.errors import (
     ModelTimeout,
     ModelUnavailable,
 )
-from runtime.models.values import ChatRequest, Completion, Delta
+from runtime.models.values import ChatRequest, Completion, Delta, Finish, TextDelta
 from runtime.models.wire import parse_completion, request_body
 
 logger = logging.getLogger(__name__)
@@ -290,6 +290,7 @@ class ChatStream:
     _entered: bool = attrs.field(init=False, default=False)
     _lines_ended: bool = attrs.field(init=False, default=False)
     _quiet_until: float = attrs.field(init=False, default=0.0)  # when the model has been silent too long
+    _whole: Completion | None = attrs.field(init=False, default=None)  # from a server that would not stream
 
     @_assembler.default
     def _new_assembler(self) -> StreamAssembler:
@@ -301,6 +302,12 @@ class ChatStream:
         self._entered = True
         body = request_body(self._request, model=self._client.config.model, stream=True)
         self._response = await self._client._open("POST", "chat/completions", body, accept="text/event-stream")
+        if self._response.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+            # A server (or a proxy in front of it) that does not stream answers in one body.
+            data = await self._client._read_json(self._response)
+            self._whole = parse_completion(data, model=self._client.config.model)
+            self._pending.extend(_deltas(self._whole))
+            return self
         self._lines = self._response.aiter_lines()
         self._quiet_until = trio.current_time() + self._client.config.read_timeout_s
         return self
@@ -336,6 +343,10 @@ class ChatStream:
         return self
 
     async def __anext__(self) -> Delta:
+        if self._whole is not None:
+            if self._pending:
+                return self._pending.popleft()
+            raise StopAsyncIteration
         if self._lines is None:
             raise RuntimeError("Read a ChatStream inside 'async with client.stream(request) as chunks:'.")
         # httpx bounds each wait for bytes; this bounds the wait for data. A server (or a proxy)
@@ -379,8 +390,18 @@ class ChatStream:
 
     def completion(self) -> Completion:
         """The whole answer; RuntimeError until the stream has been read to its end."""
-        return self._assembler.completion()
+        return self._whole if self._whole is not None else self._assembler.completion()
 
     def partial_message(self) -> Message:
         """What has arrived so far, as an assistant message marked ``partial`` unless complete."""
-        return self._assembler.partial_message()
+        return self._whole.message if self._whole is not None else self._assembler.partial_message()
+
+
+def _deltas(whole: Completion) -> list[Delta]:
+    """A whole answer as the deltas a stream of it would have carried, in the same order."""
+    deltas: list[Delta] = [TextDelta(whole.message.text)] if whole.message.text else []
+    deltas.extend(whole.message.tool_calls)
+    deltas.append(Finish(whole.finish_reason))
+    if whole.usage is not None:
+        deltas.append(whole.usage)
+    return deltas

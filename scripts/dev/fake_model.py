@@ -60,7 +60,8 @@ class Reply:
     ``fail_after_chunks=N`` drops the connection after N events (non-streamed: after half the body).
     ``hang_after_chunks=N`` (streamed only) sends N events and then nothing, until the client leaves;
     with ``keepalive_s`` it sends an SSE comment that often meanwhile, as a proxy keeping the
-    connection open does, but no event.
+    connection open does, but no event. ``ignore_stream`` answers in one JSON body even when asked
+    to stream, as some servers and proxies do.
     """
 
     text: str = ""
@@ -71,6 +72,7 @@ class Reply:
     fail_after_chunks: int | None = None
     hang_after_chunks: int | None = None
     keepalive_s: float = 0.0
+    ignore_stream: bool = False
     finish_reason: str = ""  # "" gives "tool_calls" or "stop"
     prompt_tokens: int = 12
     completion_tokens: int = 8
@@ -217,7 +219,7 @@ class FakeModel:
             await _send_bytes(send, item.status, body.encode(), "application/json", extra)
             return
         number = len(self.bodies)
-        if request.get("stream") is True:
+        if request.get("stream") is True and not item.ignore_stream:
             stream_options = request.get("stream_options") or {}
             usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
             await _send_stream(send, item, _chunks(item, request, number, usage=usage), exchange)

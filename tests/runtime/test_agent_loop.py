@@ -262,6 +262,24 @@ async def test_an_answer_larger_than_a_message_may_be_fails_the_run_and_is_kept_
     assert text.startswith(streamed) and len(streamed) <= 4096  # no more went out than may be kept
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_a_tool_call_that_takes_most_of_a_message_is_taken_whether_streamed_or_not(
+    fake_model: FakeModel, tmp_path: Path, streamed: bool
+) -> None:
+    # Its arguments arrive in pieces and then whole: counted once, they fit the limit.
+    arguments = '{"service": "' + "v" * 3_000 + '"}'
+    fake_model.script = [
+        Reply(tool_calls=[Call("lookup", arguments)], ignore_stream=not streamed),
+        Reply(text="It expired.", ignore_stream=not streamed),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db", max_event_bytes=4096) as store:
+            result = await run_turn(fake_model, AgentSpec(tools=[lookup_tool()]), question(), session=Session.open(SESSION, store))
+        stored = await stored_messages(tmp_path / "runtime.db", SESSION)
+    assert result.output == "It expired." and stored == list(result.messages)
+    assert stored[1].tool_calls[0].arguments == arguments
+
+
 @pytest.mark.parametrize("continuations", [0, 1])
 async def test_a_store_that_fails_as_the_answer_is_saved_says_the_end_of_the_run_is_not_stored(
     fake_model: FakeModel, tmp_path: Path, continuations: int

@@ -473,6 +473,21 @@ async def test_stream_that_sends_only_keep_alive_comments_times_out_all_the_same
     assert fake_model.disconnects == 1  # the connection was closed, not left to the server
 
 
+async def test_a_server_that_will_not_stream_is_read_as_one_answer_all_the_same(fake_model: FakeModel) -> None:
+    # Asked to stream, some servers and proxies answer in one JSON body; the answer is as good.
+    fake_model.script = [Reply(text="The lease", tool_calls=[Call("lookup", '{"service": "vault"}')], ignore_stream=True)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            async with client.stream(ASK) as chunks:
+                received = [delta async for delta in chunks]
+            completion = chunks.completion()
+    call = ToolCall(id="call_1_0", name="lookup", arguments='{"service": "vault"}')  # the fake numbers its requests from 1
+    assert received == [TextDelta("The lease"), call, Finish("tool_calls"), Usage(12, 8, 20)]
+    assert completion.message == Message(role="assistant", text="The lease", tool_calls=(call,))
+    assert chunks.partial_message() == completion.message
+    assert fake_model.bodies[0]["stream"] is True
+
+
 async def test_stream_is_read_once(fake_model: FakeModel) -> None:
     fake_model.script = [Reply(text="once")]
     with trio.fail_after(DEADLINE_S):
