@@ -54,6 +54,8 @@ def _reached_at() -> str:
     host = request.headers.get("Host", "")
     found = _HOST.fullmatch(host)
     if found is None or int(found.group(1) or 0) > 65535:
-        address, port = request.scope["server"]
+        address, port = request.scope.get("server") or (None, None)
+        if address is None or port is None:  # not a TCP socket: nothing better to name
+            return request.host_url
         host = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
     return f"{request.scheme}://{host}/"
