@@ -8,7 +8,8 @@ Host that is not a host (``a b``, ``[::1``, a port past 65535) gives way to the 
 request came in on. A server behind a proxy is given its public URL instead, and every card
 names that.
 
-Served with an ETag and a short ``Cache-Control`` (spec 1.0 §8.6.1), and no CORS headers.
+Served with an ETag and a short ``Cache-Control`` (spec 1.0 §8.6.1), answering 304 Not Modified to
+a client whose ``If-None-Match`` names the card it has, and with no CORS headers.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class CardEndpoint:
         response.headers["Cache-Control"] = CACHE_CONTROL
         response.headers["Vary"] = "Host"
         response.set_etag(hashlib.sha256(body).hexdigest(), weak=True)
-        return response
+        return await response.make_conditional(request)  # 304 to an If-None-Match that matches
 
 
 def _reached_at() -> str:

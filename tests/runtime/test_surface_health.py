@@ -180,6 +180,15 @@ async def test_the_agent_card_says_who_the_agent_is_and_where_it_listens(keel: S
     assert response.headers["etag"] and "max-age" in response.headers["cache-control"]
 
 
+async def test_the_agent_card_is_not_sent_again_to_a_client_that_has_it(keel: Served) -> None:
+    etag = (await get(keel, CARD)).headers["etag"]
+    with trio.fail_after(DEADLINE_S):
+        same = await keel.http.get(CARD, headers={"If-None-Match": etag})
+        other = await keel.http.get(CARD, headers={"If-None-Match": 'W/"some-older-card"'})
+    assert (same.status_code, same.content, same.headers["etag"]) == (304, b"", etag)
+    assert other.status_code == 200 and other.json()["name"] == "Keel test agent"
+
+
 async def test_the_agent_card_never_shows_the_system_prompt_and_sends_no_cors(keel: Served) -> None:
     response = await get(keel, CARD)
     assert SYSTEM_PROMPT not in response.text and "SECRET-PROMPT-MARKER" not in response.text
