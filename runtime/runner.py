@@ -414,12 +414,12 @@ class Runner:
                 if delay:
                     logger.info("task %s: its final state is stored now", live.task.id)
                 return True
+            except store_errors.VersionConflict:
+                # A write given up on when its bound ran out has landed since: start from it.
+                with contextlib.suppress(store_errors.StoreError, TimeoutError, TaskNotFound):
+                    await live.reload(self.tasks)
             except (store_errors.StoreError, TimeoutError) as exc:
-                if isinstance(exc, store_errors.VersionConflict):
-                    # A write given up on when its bound ran out has landed since: start from it.
-                    with contextlib.suppress(store_errors.StoreError, TimeoutError, TaskNotFound):
-                        await live.reload(self.tasks)
-                elif live.end_stored:  # the first failure: said once, to the log and to whoever waits
+                if live.end_stored:  # the first failure: said once, to the log and to whoever waits
                     logger.error("task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc)
                     live.close(end_stored=False)
             if self._stopping.is_set():

@@ -119,7 +119,7 @@ class Health:
 
     async def _state_dir_problem(self) -> str | None:
         try:
-            free = await trio.to_thread.run_sync(_touch, self.state_dir, abandon_on_cancel=True)
+            free = await trio.to_thread.run_sync(_touch_and_measure, self.state_dir, abandon_on_cancel=True)
         except OSError as exc:
             logger.warning("readiness: the state directory %s is not writable: %r", self.state_dir, exc)
             return f"state directory is not writable: {self.state_dir}"
@@ -150,7 +150,7 @@ class Health:
         return None if present else f"model unavailable: {self.model.model!r} is absent from the model server's catalog"
 
 
-def _touch(state_dir: Path) -> int:
+def _touch_and_measure(state_dir: Path) -> int:
     """Create and remove a file in ``state_dir``; return the bytes free there. Blocking."""
     fd, name = tempfile.mkstemp(prefix=".readiness-", dir=state_dir)
     os.close(fd)
