@@ -55,7 +55,10 @@ class SessionStore(Protocol):
 
     async def messages(self, session_id: str) -> list[Message]: ...
 
-    async def add_steer(self, session_id: str, text: str) -> None: ...
+    async def add_steer(self, session_id: str, text: str, *, message_id: str | None = None) -> bool:
+        """Leave a steer for the session's next model request; True once it is durable. With
+        ``message_id``, a steer left before with that id (taken since or not) is not left again:
+        nothing is stored and the answer is False."""
 
     async def take_steers(self, session_id: str) -> list[str]:
         """Hand out every waiting steer exactly once, oldest first, and forget them."""

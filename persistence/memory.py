@@ -24,7 +24,7 @@ from persistence.validate import (
     MAX_EVENT_BYTES,
     check_name,
     check_session_id,
-    check_steer,
+    check_steer_params,
     check_task,
     checked_append,
     decode_messages,
@@ -57,6 +57,7 @@ class MemorySessionData:
     events: dict[str, list[Event]] = attrs.field(factory=dict)
     states: dict[tuple[str, str, str], str] = attrs.field(factory=dict)
     steers: dict[str, list[str]] = attrs.field(factory=dict)
+    steer_receipts: set[tuple[str, str]] = attrs.field(factory=set)  # (session id, message id)
     locks: TurnLocks = attrs.field(factory=TurnLocks)
 
 
@@ -110,11 +111,15 @@ class MemorySessionStore(_Closable):
     async def messages(self, session_id: str) -> list[Message]:
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
 
-    async def add_steer(self, session_id: str, text: str) -> None:
-        check_session_id(session_id)
-        check_steer(session_id, text)
+    async def add_steer(self, session_id: str, text: str, *, message_id: str | None = None) -> bool:
+        check_steer_params(session_id, text, message_id)
         await self._enter()
+        if message_id is not None:
+            if (session_id, message_id) in self.data.steer_receipts:
+                return False
+            self.data.steer_receipts.add((session_id, message_id))
         self.data.steers.setdefault(session_id, []).append(text)
+        return True
 
     async def take_steers(self, session_id: str) -> list[str]:
         await self._enter()

@@ -13,7 +13,7 @@ import attrs
 
 # The schemas this build can open, with the newest version it understands.
 KNOWN_SCHEMAS: dict[str, int] = {
-    "keel.sessions": 1,  # runtime.db
+    "keel.sessions": 2,  # runtime.db
     "keel.tasks": 2,  # tasks.db
 }
 

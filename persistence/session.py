@@ -37,9 +37,10 @@ class Session:
     async def messages(self) -> list[Message]:
         return await self.store.messages(self.id)
 
-    async def steer(self, text: str) -> None:
-        """Leave a steer for whichever run of this session makes the next model request."""
-        await self.store.add_steer(self.id, text)
+    async def steer(self, text: str, *, message_id: str | None = None) -> bool:
+        """Leave a steer for whichever run of this session makes the next model request. With
+        ``message_id``, one left before with that id is not left again (and the answer is False)."""
+        return await self.store.add_steer(self.id, text, message_id=message_id)
 
     async def take_steers(self) -> list[str]:
         return await self.store.take_steers(self.id)

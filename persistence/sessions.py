@@ -22,7 +22,7 @@ from persistence.validate import (
     MAX_EVENT_BYTES,
     check_name,
     check_session_id,
-    check_steer,
+    check_steer_params,
     checked_append,
     decode_messages,
     lone_surrogate,
@@ -69,10 +69,27 @@ def _v1(conn: sqlite3.Connection) -> None:
     )
 
 
+def _v2(conn: sqlite3.Connection) -> None:
+    # The message ids of the steers a session was left, kept after the steers are taken: a
+    # client that sends a steer again (its answer lost, or its task's record of it not stored)
+    # must not steer the run twice.
+    execute_ddl(
+        conn,
+        """
+        CREATE TABLE steer_receipts (
+            session_id TEXT NOT NULL,
+            message_id TEXT NOT NULL,
+            PRIMARY KEY (session_id, message_id)
+        ) WITHOUT ROWID;
+        """,
+    )
+
+
 SESSIONS_SCHEMA = Schema(
     name="keel.sessions",
-    migrations=(_v1,),
-    tables=("sessions", "events", "app_states", "user_states", "steers"),
+    migrations=(_v1, _v2),
+    tables=("sessions", "events", "app_states", "user_states", "steers", "steer_receipts"),
+    since={"steer_receipts": 2},
 )
 
 
@@ -226,9 +243,16 @@ def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_
     return [text for _, text in rows]
 
 
-def _add_steer_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str) -> None:
+def _add_steer_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str, message_id: str | None
+) -> bool:
+    if message_id is not None and not conn.execute(
+        "INSERT INTO steer_receipts (session_id, message_id) VALUES (?, ?) ON CONFLICT DO NOTHING", (session_id, message_id)
+    ).rowcount:
+        return False
     conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES (?, ?, ?)", (session_id, text, now_ms()))
     lengths.no_steers.discard(session_id)
+    return True
 
 
 def _save_and_take_txn(
@@ -298,10 +322,9 @@ class SqliteSessionStore(WriterBacked):
         check_session_id(session_id)
         return await self._writer.submit(_save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes)
 
-    async def add_steer(self, session_id: str, text: str) -> None:
-        check_session_id(session_id)
-        check_steer(session_id, text)
-        await self._writer.submit(_add_steer_txn, self._lengths, session_id, text)
+    async def add_steer(self, session_id: str, text: str, *, message_id: str | None = None) -> bool:
+        check_steer_params(session_id, text, message_id)
+        return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, message_id)
 
     async def take_steers(self, session_id: str) -> list[str]:
         return await self._writer.submit(_take_steers_txn, self._lengths, session_id)

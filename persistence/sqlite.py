@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -115,6 +115,7 @@ class Schema:
     name: str
     migrations: tuple[Migration, ...]
     tables: tuple[str, ...]  # the tables a current database must have
+    since: Mapping[str, int] = attrs.field(factory=dict)  # a table a later migration made: its version
 
     @property
     def version(self) -> int:
@@ -143,9 +144,11 @@ class Schema:
             raise SchemaError(path, f"records an impossible schema version {found.version}", "Restore a good snapshot")
         return found.version
 
-    def check_tables(self, path: Path, conn: sqlite3.Connection) -> None:
+    def check_tables(self, path: Path, conn: sqlite3.Connection, version: int | None = None) -> None:
+        """SchemaError unless the database has every table of ``version`` (the current one by default)."""
+        version = self.version if version is None else version
         present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        missing = [table for table in self.tables if table not in present]
+        missing = [table for table in self.tables if table not in present and self.since.get(table, 1) <= version]
         if missing:
             raise SchemaError(
                 path,
@@ -185,7 +188,7 @@ def inspect(path: Path, schema: Schema) -> None:
         try:
             version = schema.check_identity(path, read_identity(conn), _user_tables(conn))
             if version:
-                schema.check_tables(path, conn)
+                schema.check_tables(path, conn, version)  # an older one gains the rest when opened
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:

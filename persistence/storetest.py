@@ -131,6 +131,32 @@ async def a_steer_is_handed_out_exactly_once_in_the_order_left(backend: Backend)
 
 
 @session_check
+async def a_steer_left_again_with_its_message_id_is_not_left_twice(backend: Backend) -> None:
+    async with backend.sessions() as one, backend.sessions() as two:
+        assert await one.add_steer("s", "use the staging runbook", message_id="m-1") is True
+        assert await two.add_steer("s", "use the staging runbook", message_id="m-1") is False
+        assert await one.take_steers("s") == ["use the staging runbook"]
+        # Taken since: sent again, it is still not left again.
+        assert await two.add_steer("s", "use the staging runbook", message_id="m-1") is False
+        assert await one.take_steers("s") == []
+        # The id is the session's: another session, another id, or none at all are other steers.
+        assert await one.add_steer("t", "use the staging runbook", message_id="m-1") is True
+        assert await one.add_steer("s", "and the renewals", message_id="m-2") is True
+        assert await one.add_steer("s", "and the renewals") is True
+        assert await one.add_steer("s", "and the renewals") is True
+        assert await two.take_steers("s") == ["and the renewals"] * 3
+        assert await two.take_steers("t") == ["use the staging runbook"]
+        for bad, words in (("", "non-empty"), ("id-" + LONE, "surrogate")):
+            try:
+                await one.add_steer("s", "x", message_id=bad)
+            except ValueError as exc:
+                assert "message id" in str(exc) and words in str(exc), str(exc)
+            else:
+                raise AssertionError(f"a steer's message id {bad!r} was accepted")
+        assert await one.take_steers("s") == []
+
+
+@session_check
 async def a_save_that_takes_the_steers_is_one_step_and_a_failed_one_takes_nothing(backend: Backend) -> None:
     async with backend.sessions() as store:
         await store.add_steer("s", "look at the lease")

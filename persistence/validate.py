@@ -114,6 +114,16 @@ def check_steer(session_id: str, text: str) -> None:
         raise ValueError(f"a steer for session {session_id!r} {reason}")
 
 
+def check_steer_params(session_id: str, text: str, message_id: str | None) -> None:
+    """What ``add_steer`` is given: a session id, a steer, and the message id it came with, if any."""
+    check_session_id(session_id)
+    check_steer(session_id, text)
+    if message_id is not None:
+        if not isinstance(message_id, str) or not message_id:
+            raise ValueError(f"a steer's message id for session {session_id!r} must be a non-empty string or None")
+        check_name("message id", message_id)
+
+
 def check_task(task_id: str, **columns: str) -> None:
     """Raise InvalidTask if the task's id or any of its ``columns`` cannot be stored."""
     for column, text in {"id": task_id, **columns}.items():

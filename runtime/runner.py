@@ -241,8 +241,10 @@ class Runner:
         text = readable_text(message)
         self._refuse_oversize(Transcribed(role="user", text=STEER_LABEL + text))
         # A message to a working task is a steer: stored for the session, taken exactly once
-        # before the run's next model request, wherever that run is.
-        await self.sessions.add_steer(task.context_id, text)
+        # before the run's next model request, wherever that run is. Stored with its message id,
+        # so that sent again after its record in the task failed (or its process died between
+        # the two writes), it is recorded without steering the run a second time.
+        await self.sessions.add_steer(task.context_id, text, message_id=message.message_id)
         return await self._add_to_history(owner, task, version, message)
 
     async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:

@@ -406,6 +406,22 @@ async def test_a_tasks_database_of_the_first_schema_is_brought_to_the_current_on
         assert conn.execute("SELECT id, message_id FROM tasks ORDER BY id").fetchall() == [("new", "m1"), ("old", None)]
 
 
+async def test_a_sessions_database_of_the_first_schema_keeps_its_steers_and_learns_their_message_ids(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "runtime.db"
+    with closing(connect(path)) as conn:
+        transaction(conn, SESSIONS_SCHEMA.migrations[0])
+        transaction(conn, write_identity_txn, SchemaIdentity(SESSIONS_SCHEMA.name, 1))
+        conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES ('conv', 'left before the upgrade', 1)")
+    async with open_session_store(path) as store:
+        assert await store.add_steer("conv", "sent once", message_id="m1") is True
+        assert await store.add_steer("conv", "sent once", message_id="m1") is False
+        assert await store.take_steers("conv") == ["left before the upgrade", "sent once"]
+    with closing(sqlite3.connect(path)) as conn:
+        assert read_identity(conn) == SchemaIdentity("keel.sessions", SESSIONS_SCHEMA.version)
+
+
 async def test_reopening_an_existing_database_is_idempotent(tmp_path: Path) -> None:
     for n in range(3):
         async with open_task_store(tmp_path / "tasks.db") as store:
