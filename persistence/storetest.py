@@ -146,6 +146,17 @@ async def a_steer_left_again_with_its_message_id_is_not_left_twice(backend: Back
         assert await one.add_steer("s", "and the renewals") is True
         assert await two.take_steers("s") == ["and the renewals"] * 3
         assert await two.take_steers("t") == ["use the staging runbook"]
+        # Sent again at the same moment through two stores (two processes): one of them leaves it.
+        left: list[bool] = []
+
+        async def leave(store: SessionStore) -> None:
+            left.append(await store.add_steer("s", "check the renewals", message_id="m-3"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leave, one)
+            nursery.start_soon(leave, two)
+        assert sorted(left) == [False, True]
+        assert await one.take_steers("s") == ["check the renewals"]
         for bad, words in (("", "non-empty"), ("id-" + LONE, "surrogate")):
             try:
                 await one.add_steer("s", "x", message_id=bad)
