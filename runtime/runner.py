@@ -32,7 +32,6 @@ from protocol import (
     SendMessageParams,
     StreamCut,
     Task,
-    TaskArtifactUpdateEvent,
     TaskIsTerminal,
     TaskNotCancelable,
     TaskNotFound,
@@ -47,6 +46,7 @@ from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, Te
 from runtime.agent.steers import STEER_LABEL
 from runtime.models import ModelError
 from runtime.tasks import (
+    ANSWER_ARTIFACT,
     STORED_VERSION,
     LiveTask,
     StreamItem,
@@ -64,7 +64,6 @@ from runtime.tasks import (
 logger = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"  # the owner of every task until requests carry an identity
-ANSWER_ARTIFACT = "answer"
 HISTORY_WRITE_ATTEMPTS = 5
 # A final state the store refused is tried again after 1 s, then twice as long each time, at most 30 s apart.
 END_RETRY_FIRST_S = 1.0
@@ -460,8 +459,9 @@ class Runner:
             working = _Working(live, self.tasks)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(working.write)
-                stream = _AnswerStream(live)
-                run = AgentRun(self.model, self.agent, messages, session=session, on_event=stream.on_event, ready=working.wait)
+                run = AgentRun(
+                    self.model, self.agent, messages, session=session, on_event=_answer_streamer(live), ready=working.wait
+                )
                 try:
                     result = await run.run()
                 except (AgentError, ModelError) as exc:
@@ -490,7 +490,7 @@ class Runner:
         task = live.task
         answer = agent_message(task, output)
         artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(output),))
-        live.publish(TaskArtifactUpdateEvent(task_id=task.id, context_id=task.context_id, artifact=artifact, last_chunk=True))
+        live.finish_answer(output)
 
         def complete(current: Task) -> Task:
             done = attrs.evolve(current, history=(*current.history, answer), artifacts=(artifact,))
@@ -589,19 +589,11 @@ def _sent_with_other_content(message: Message, where: str) -> InvalidParams:
     )
 
 
-@attrs.define(eq=False)
-class _AnswerStream:
-    """Streams the model's text to subscribers as chunks of the answer artifact."""
+def _answer_streamer(live: LiveTask) -> Callable[[AgentEvent], None]:
+    """The model's text, streamed to the task's subscribers as pieces of its answer artifact."""
 
-    live: LiveTask
-    _chunks: int = 0
+    def on_event(event: AgentEvent) -> None:
+        if isinstance(event, TextDelta) and event.text:
+            live.stream_answer(event.text)
 
-    def on_event(self, event: AgentEvent) -> None:
-        if not isinstance(event, TextDelta) or not event.text:
-            return
-        task = self.live.task
-        artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(event.text),))
-        self.live.publish(
-            TaskArtifactUpdateEvent(task_id=task.id, context_id=task.context_id, artifact=artifact, append=self._chunks > 0)
-        )
-        self._chunks += 1
+    return on_event

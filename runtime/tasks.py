@@ -19,6 +19,7 @@ from persistence.api import TaskRecord, TaskStore
 from persistence.locks import holding
 from protocol import (
     END_NOT_STORED,
+    Artifact,
     ContentTypeNotSupported,
     FilePart,
     InvalidParams,
@@ -29,6 +30,7 @@ from protocol import (
     StreamCut,
     StreamEvent,
     Task,
+    TaskArtifactUpdateEvent,
     TaskNotFound,
     TaskState,
     TaskStatus,
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 STORED_VERSION = ProtocolVersion.V1_0  # the encoding of the task JSON column
 SUBSCRIBER_BUFFER = 4096  # events a subscriber may fall behind before it is dropped
+ANSWER_ARTIFACT = "answer"  # the artifact that carries a task's answer
 # What a subscription carries: the task's events, and last, if it is cut short, why.
 StreamItem = StreamEvent | ProtocolError
 
@@ -147,6 +150,8 @@ class LiveTask:
         init=False, factory=dict
     )
     _writing: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    _answer: list[str] = attrs.field(init=False, factory=list)  # the answer's text streamed so far, in pieces
+    _answered: bool = attrs.field(init=False, default=False)  # and that is the whole answer
 
     async def persist(self, tasks: TaskStore, change: Callable[[Task], Task], *, urgent: bool = False) -> Task:
         """Apply ``change`` to the newest task, write the result (version-checked), then tell the
@@ -193,9 +198,32 @@ class LiveTask:
         send.send_nowait(self.task)
         if self.settled.is_set():
             send.close()
-        else:
-            self._subscribers[receive] = send
+            return receive
+        if self._answer:  # joining mid-answer: what was streamed before, then the pieces to come
+            self._answer[:] = ["".join(self._answer)]
+            send.send_nowait(self._answer_update(self._answer[0], append=False, last=self._answered))
+        self._subscribers[receive] = send
         return receive
+
+    def stream_answer(self, text: str) -> None:
+        """Send the subscribers the next piece of the answer as the model writes it. Each piece
+        is appended to the answer artifact; a subscriber that comes later gets all the text so
+        far in one event (replacing the artifact), right after the task."""
+        self._answer.append(text)
+        self.publish(self._answer_update(text, append=len(self._answer) > 1))
+
+    def finish_answer(self, text: str) -> None:
+        """Send the whole answer, the last piece of the artifact, replacing what was streamed
+        (which holds the text of every step, not only the last one's)."""
+        self._answer[:] = [text]
+        self._answered = True
+        self.publish(self._answer_update(text, append=False, last=True))
+
+    def _answer_update(self, text: str, *, append: bool, last: bool = False) -> TaskArtifactUpdateEvent:
+        artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(text),))
+        return TaskArtifactUpdateEvent(
+            task_id=self.task.id, context_id=self.task.context_id, artifact=artifact, append=append, last_chunk=last
+        )
 
     def unsubscribe(self, receive: trio.MemoryReceiveChannel[StreamItem]) -> None:
         self._drop(receive)

@@ -319,3 +319,40 @@ async def test_a_streaming_send_sent_again_streams_the_task_it_started_and_ends(
         frames = results(await events.rest())
     assert [(f["task"]["id"], f["task"]["status"]["state"]) for f in frames] == [(task["id"], "TASK_STATE_COMPLETED")]
     assert len(keel.model.bodies) == 1
+
+
+async def test_a_subscriber_that_comes_mid_answer_gets_the_text_so_far_then_the_rest(keel: Served) -> None:
+    # The model streams "The vault le" (three pieces of four characters) and then nothing.
+    keel.model.script = [Reply(text="The vault lease expired.", chunk_chars=4, hang_after_chunks=4)]  # a role, 3 pieces
+    task = await keel.send("Why?", blocking=False)
+    params = {"id": task["id"]}
+    async with keel.stream("SubscribeToTask", params) as early:
+        seen = ""
+        while seen != "The vault le":
+            frame = await early.next()
+            assert frame is not None, f"the stream ended having shown {seen!r}"
+            if kind(frame["result"]) == "artifactUpdate":
+                seen += frame["result"]["artifactUpdate"]["artifact"]["parts"][0]["text"]
+        async with keel.stream("SubscribeToTask", params) as late:
+            first, second = await late.next(), await late.next()
+            assert first is not None and second is not None
+            assert kind(first["result"]) == "task"
+            update = second["result"]["artifactUpdate"]
+            assert update["artifact"]["parts"] == [{"text": "The vault le"}]
+            assert not update.get("append") and not update.get("lastChunk")  # it replaces what the client had
+            await keel.result("CancelTask", params)
+            assert state(results(await late.rest())[-1]) == "TASK_STATE_CANCELED"
+        assert state(results(await early.rest())[-1]) == "TASK_STATE_CANCELED"
+
+
+async def test_a_subscriber_that_comes_after_the_answer_was_sent_gets_the_whole_answer() -> None:
+    working = Task(id="t", context_id="c", status=TaskStatus(state=TaskState.WORKING, timestamp=now()))
+    live = LiveTask(owner=ANONYMOUS, task=working, version=2)
+    live.stream_answer("Looking at the lease. ")
+    live.stream_answer("The lease expired.")
+    live.finish_answer("The lease expired.")  # the last step's text only
+    receive = live.subscribe()
+    assert receive.receive_nowait() == live.task
+    whole = receive.receive_nowait()
+    assert whole.artifact.parts == (TextPart("The lease expired."),)
+    assert (whole.append, whole.last_chunk) == (False, True)
