@@ -60,6 +60,9 @@ class SessionStore(Protocol):
         ``message_id``, a steer left before with that id (taken since or not) is not left again:
         nothing is stored and the answer is False."""
 
+    async def steer_left(self, session_id: str, message_id: str) -> bool:
+        """Whether a steer with this message id was left for the session (taken since or not)."""
+
     async def take_steers(self, session_id: str) -> list[str]:
         """Hand out every waiting steer exactly once, oldest first, and forget them."""
 

@@ -121,6 +121,10 @@ class MemorySessionStore(_Closable):
         self.data.steers.setdefault(session_id, []).append(text)
         return True
 
+    async def steer_left(self, session_id: str, message_id: str) -> bool:
+        await self._enter()
+        return (session_id, message_id) in self.data.steer_receipts
+
     async def take_steers(self, session_id: str) -> list[str]:
         await self._enter()
         return self.data.steers.pop(session_id, [])

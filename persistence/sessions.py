@@ -326,6 +326,16 @@ class SqliteSessionStore(WriterBacked):
         check_steer_params(session_id, text, message_id)
         return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, message_id)
 
+    async def steer_left(self, session_id: str, message_id: str) -> bool:
+        if lone_surrogate(session_id) or lone_surrogate(message_id):  # never stored
+            return False
+        row = await self.pool.run(
+            lambda conn: conn.execute(
+                "SELECT 1 FROM steer_receipts WHERE session_id = ? AND message_id = ?", (session_id, message_id)
+            ).fetchone()
+        )
+        return row is not None
+
     async def take_steers(self, session_id: str) -> list[str]:
         return await self._writer.submit(_take_steers_txn, self._lengths, session_id)
 

@@ -133,11 +133,14 @@ async def a_steer_is_handed_out_exactly_once_in_the_order_left(backend: Backend)
 @session_check
 async def a_steer_left_again_with_its_message_id_is_not_left_twice(backend: Backend) -> None:
     async with backend.sessions() as one, backend.sessions() as two:
+        assert await two.steer_left("s", "m-1") is False
         assert await one.add_steer("s", "use the staging runbook", message_id="m-1") is True
+        assert await two.steer_left("s", "m-1") is True and await two.steer_left("t", "m-1") is False
         assert await two.add_steer("s", "use the staging runbook", message_id="m-1") is False
         assert await one.take_steers("s") == ["use the staging runbook"]
         # Taken since: sent again, it is still not left again.
         assert await two.add_steer("s", "use the staging runbook", message_id="m-1") is False
+        assert await one.steer_left("s", "m-1") is True
         assert await one.take_steers("s") == []
         # The id is the session's: another session, another id, or none at all are other steers.
         assert await one.add_steer("t", "use the staging runbook", message_id="m-1") is True

@@ -228,6 +228,10 @@ class Runner:
                 return _check_same(message, taken, current, f"went to task {task_id!r}")
         state = task.status.state
         if state.is_terminal:
+            if await self.sessions.steer_left(task.context_id, message.message_id):
+                # Left as a steer while the task worked, but its record in the task failed (a
+                # full disk, or the process died between the two writes): recorded now.
+                return await self._add_to_history(owner, task, version, attrs.evolve(message, context_id=task.context_id))
             raise TaskIsTerminal(task_id, state.value, "take a message")
         ahead = None if live is None or live.in_turn else self._turn_holder(task.context_id)
         if ahead is not None:

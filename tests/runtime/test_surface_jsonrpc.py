@@ -423,11 +423,12 @@ async def test_a_steer_sent_again_is_taken_once_and_after_the_end_still_gets_its
     assert f"was sent before with other content, and went to task {task['id']!r}" in error["message"]
 
 
-async def test_a_steer_stored_but_not_recorded_in_its_task_steers_once_when_sent_again(keel: Served) -> None:
+@pytest.mark.parametrize("when", ["while it works", "after it ended"])
+async def test_a_steer_stored_but_not_recorded_in_its_task_steers_once_when_sent_again(keel: Served, when: str) -> None:
     # The steer is stored for the conversation (runtime.db), then its task's history is written
     # (tasks.db). When that second write fails (a full disk; or the process dies in between), the
     # client is told the storage failed and sends the message again: it must not steer twice.
-    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Used the staging runbook.")]
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done, as asked.")]
     task = await keel.send("Fix checkout", blocking=False)
     await keel.gate.wait_entered()
     with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
@@ -435,14 +436,20 @@ async def test_a_steer_stored_but_not_recorded_in_its_task_steers_once_when_sent
             "CREATE TRIGGER full BEFORE UPDATE ON tasks WHEN NEW.task LIKE '%staging runbook%'"
             " BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
         )
-    steer = message("Use the staging runbook", V1, taskId=task["id"])
-    error = await keel.error("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
+    steer = {"message": message("Use the staging runbook", V1, taskId=task["id"]), "configuration": {"returnImmediately": True}}
+    error = await keel.error("SendMessage", steer)
     check_error(error, -32603, V1, "INTERNAL_ERROR")
     assert "a message sent again with the same messageId is taken once" in error["message"]
     with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
         conn.execute("DROP TRIGGER full")
-    steered = (await keel.result("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}}))["task"]
-    assert [m["parts"][0]["text"] for m in steered["history"]] == ["Fix checkout", "Use the staging runbook"]
+    if when == "after it ended":
+        keel.gate.opened.set()
+        assert (await keel.runner.wait_settled(ANONYMOUS, task["id"])).status.state.value == "completed"
+    for _ in range(2):
+        steered = (await keel.result("SendMessage", steer))["task"]
+        texts = [m["parts"][0]["text"] for m in steered["history"]]
+        # Recorded when it comes again: after the answer, if the task ended meanwhile.
+        assert texts[0] == "Fix checkout" and texts.count("Use the staging runbook") == 1, texts
     keel.gate.opened.set()
     assert (await keel.runner.wait_settled(ANONYMOUS, task["id"])).status.state.value == "completed"
     second = [m.get("content") or "" for m in keel.model.bodies[1]["messages"]]
