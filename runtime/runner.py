@@ -21,7 +21,6 @@ from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
     DEFAULT_PAGE_SIZE,
-    Artifact,
     ContextMismatch,
     EndNotStored,
     InvalidParams,
@@ -37,7 +36,6 @@ from protocol import (
     TaskNotFound,
     TaskState,
     TaskStatus,
-    TextPart,
     UnsupportedOperation,
     trim_history,
 )
@@ -46,11 +44,11 @@ from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, Te
 from runtime.agent.steers import STEER_LABEL
 from runtime.models import ModelError
 from runtime.tasks import (
-    ANSWER_ARTIFACT,
     STORED_VERSION,
     LiveTask,
     StreamItem,
     agent_message,
+    answer_artifact,
     decode,
     encode,
     load,
@@ -493,7 +491,7 @@ class Runner:
     def _completed(self, live: LiveTask, output: str) -> Outcome:
         task = live.task
         answer = agent_message(task, output)
-        artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(output),))
+        artifact = answer_artifact(output)
         live.finish_answer(output)
 
         def complete(current: Task) -> Task:

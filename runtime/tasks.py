@@ -119,6 +119,11 @@ def message_text(message: Message) -> str:
     return "\n".join(pieces)
 
 
+def answer_artifact(text: str) -> Artifact:
+    """The artifact that carries a task's answer (or, streamed, a piece of it)."""
+    return Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(text),))
+
+
 def with_status(task: Task, state: TaskState, message: Message | None = None) -> Task:
     return attrs.evolve(task, status=TaskStatus(state=state, message=message, timestamp=now()))
 
@@ -220,9 +225,8 @@ class LiveTask:
         self.publish(self._answer_update(text, append=False, last=True))
 
     def _answer_update(self, text: str, *, append: bool, last: bool = False) -> TaskArtifactUpdateEvent:
-        artifact = Artifact(artifact_id=ANSWER_ARTIFACT, name="answer", parts=(TextPart(text),))
         return TaskArtifactUpdateEvent(
-            task_id=self.task.id, context_id=self.task.context_id, artifact=artifact, append=append, last_chunk=last
+            task_id=self.task.id, context_id=self.task.context_id, artifact=answer_artifact(text), append=append, last_chunk=last
         )
 
     def unsubscribe(self, receive: trio.MemoryReceiveChannel[StreamItem]) -> None:
