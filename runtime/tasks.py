@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -155,7 +156,8 @@ class LiveTask:
         init=False, factory=dict
     )
     _writing: trio.Lock = attrs.field(init=False, factory=trio.Lock)
-    _answer: list[str] = attrs.field(init=False, factory=list)  # the answer's text streamed so far, in pieces
+    # The answer's text streamed so far (one buffer: a long answer comes in many tiny pieces).
+    _answer: io.StringIO = attrs.field(init=False, factory=io.StringIO)
     _answered: bool = attrs.field(init=False, default=False)  # and that is the whole answer
 
     async def persist(self, tasks: TaskStore, change: Callable[[Task], Task], *, urgent: bool = False) -> Task:
@@ -204,9 +206,8 @@ class LiveTask:
         if self.settled.is_set():
             send.close()
             return receive
-        if self._answer:  # joining mid-answer: what was streamed before, then the pieces to come
-            self._answer[:] = ["".join(self._answer)]
-            send.send_nowait(self._answer_update(self._answer[0], append=False, last=self._answered))
+        if self._answer.tell():  # joining mid-answer: what was streamed before, then the pieces to come
+            send.send_nowait(self._answer_update(self._answer.getvalue(), append=False, last=self._answered))
         self._subscribers[receive] = send
         return receive
 
@@ -214,13 +215,15 @@ class LiveTask:
         """Send the subscribers the next piece of the answer as the model writes it. Each piece
         is appended to the answer artifact; a subscriber that comes later gets all the text so
         far in one event (replacing the artifact), right after the task."""
-        self._answer.append(text)
-        self.publish(self._answer_update(text, append=len(self._answer) > 1))
+        first = not self._answer.tell()
+        self._answer.write(text)
+        self.publish(self._answer_update(text, append=not first))
 
     def finish_answer(self, text: str) -> None:
         """Send the whole answer, the last piece of the artifact, replacing what was streamed
         (which holds the text of every step, not only the last one's)."""
-        self._answer[:] = [text]
+        self._answer = io.StringIO()
+        self._answer.write(text)
         self._answered = True
         self.publish(self._answer_update(text, append=False, last=True))
 
