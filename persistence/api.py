@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
@@ -24,6 +25,21 @@ class Event:
     author: str
     created_at_ms: int
     content: str
+
+
+@attrs.frozen
+class SteerReceipt:
+    """What a session store keeps of a steer left with a message id, after the steer is taken."""
+
+    task_id: str | None  # the task it was sent to, if it was given
+    text_sha256: str  # of the steer's text, UTF-8
+
+    def same(self, text: str) -> bool:
+        return self.text_sha256 == steer_digest(text)
+
+
+def steer_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class SessionStore(Protocol):
@@ -55,13 +71,16 @@ class SessionStore(Protocol):
 
     async def messages(self, session_id: str) -> list[Message]: ...
 
-    async def add_steer(self, session_id: str, text: str, *, message_id: str | None = None) -> bool:
+    async def add_steer(
+        self, session_id: str, text: str, *, message_id: str | None = None, task_id: str | None = None
+    ) -> bool:
         """Leave a steer for the session's next model request; True once it is durable. With
-        ``message_id``, a steer left before with that id (taken since or not) is not left again:
-        nothing is stored and the answer is False."""
+        ``message_id`` a receipt is kept too (with ``task_id``, and a digest of the text), and a
+        steer left before with that id (taken since or not) is not left again: nothing is stored
+        and the answer is False (see ``steer_receipt`` for what was left)."""
 
-    async def steer_left(self, session_id: str, message_id: str) -> bool:
-        """Whether a steer with this message id was left for the session (taken since or not)."""
+    async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
+        """The receipt of the steer left for the session with this message id, if one was."""
 
     async def take_steers(self, session_id: str) -> list[str]:
         """Hand out every waiting steer exactly once, oldest first, and forget them."""

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import trio
 
-from persistence.api import DEFAULT_APP_NAME, Event, TaskPage, TaskRecord
+from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt, TaskPage, TaskRecord, steer_digest
 from persistence.errors import MessageTaken, StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
 from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
@@ -57,7 +57,7 @@ class MemorySessionData:
     events: dict[str, list[Event]] = attrs.field(factory=dict)
     states: dict[tuple[str, str, str], str] = attrs.field(factory=dict)
     steers: dict[str, list[str]] = attrs.field(factory=dict)
-    steer_receipts: set[tuple[str, str]] = attrs.field(factory=set)  # (session id, message id)
+    steer_receipts: dict[tuple[str, str], SteerReceipt] = attrs.field(factory=dict)  # by (session id, message id)
     locks: TurnLocks = attrs.field(factory=TurnLocks)
 
 
@@ -111,19 +111,21 @@ class MemorySessionStore(_Closable):
     async def messages(self, session_id: str) -> list[Message]:
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
 
-    async def add_steer(self, session_id: str, text: str, *, message_id: str | None = None) -> bool:
-        check_steer_params(session_id, text, message_id)
+    async def add_steer(
+        self, session_id: str, text: str, *, message_id: str | None = None, task_id: str | None = None
+    ) -> bool:
+        check_steer_params(session_id, text, message_id, task_id)
         await self._enter()
         if message_id is not None:
             if (session_id, message_id) in self.data.steer_receipts:
                 return False
-            self.data.steer_receipts.add((session_id, message_id))
+            self.data.steer_receipts[session_id, message_id] = SteerReceipt(task_id=task_id, text_sha256=steer_digest(text))
         self.data.steers.setdefault(session_id, []).append(text)
         return True
 
-    async def steer_left(self, session_id: str, message_id: str) -> bool:
+    async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         await self._enter()
-        return (session_id, message_id) in self.data.steer_receipts
+        return self.data.steer_receipts.get((session_id, message_id))
 
     async def take_steers(self, session_id: str) -> list[str]:
         await self._enter()

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
+import attrs
 import trio
 import trio.testing
 
@@ -133,17 +134,21 @@ async def a_steer_is_handed_out_exactly_once_in_the_order_left(backend: Backend)
 @session_check
 async def a_steer_left_again_with_its_message_id_is_not_left_twice(backend: Backend) -> None:
     async with backend.sessions() as one, backend.sessions() as two:
-        assert await two.steer_left("s", "m-1") is False
-        assert await one.add_steer("s", "use the staging runbook", message_id="m-1") is True
-        assert await two.steer_left("s", "m-1") is True and await two.steer_left("t", "m-1") is False
-        assert await two.add_steer("s", "use the staging runbook", message_id="m-1") is False
+        assert await two.steer_receipt("s", "m-1") is None
+        assert await one.add_steer("s", "use the staging runbook", message_id="m-1", task_id="task-1") is True
+        receipt = await two.steer_receipt("s", "m-1")
+        assert receipt is not None and receipt.task_id == "task-1"
+        assert receipt.same("use the staging runbook") and not receipt.same("use the production runbook")
+        assert await two.steer_receipt("t", "m-1") is None
+        assert await two.add_steer("s", "use the staging runbook", message_id="m-1", task_id="task-1") is False
         assert await one.take_steers("s") == ["use the staging runbook"]
-        # Taken since: sent again, it is still not left again.
-        assert await two.add_steer("s", "use the staging runbook", message_id="m-1") is False
-        assert await one.steer_left("s", "m-1") is True
+        # Taken since: sent again, even with other words, it is not left again; the receipt stays.
+        assert await two.add_steer("s", "use the production runbook", message_id="m-1", task_id="task-2") is False
+        assert await one.steer_receipt("s", "m-1") == receipt
         assert await one.take_steers("s") == []
         # The id is the session's: another session, another id, or none at all are other steers.
         assert await one.add_steer("t", "use the staging runbook", message_id="m-1") is True
+        assert (await one.steer_receipt("t", "m-1")) == attrs.evolve(receipt, task_id=None)
         assert await one.add_steer("s", "and the renewals", message_id="m-2") is True
         assert await one.add_steer("s", "and the renewals") is True
         assert await one.add_steer("s", "and the renewals") is True
@@ -160,14 +165,18 @@ async def a_steer_left_again_with_its_message_id_is_not_left_twice(backend: Back
             nursery.start_soon(leave, two)
         assert sorted(left) == [False, True]
         assert await one.take_steers("s") == ["check the renewals"]
-        for bad, words in (("", "non-empty"), ("id-" + LONE, "surrogate")):
+        for bad, words in (
+            ({"message_id": ""}, "message id for session 's' must be a non-empty string"),
+            ({"message_id": "id-" + LONE}, "surrogate"),
+            ({"message_id": "m-4", "task_id": ""}, "task id for session 's' must be a non-empty string"),
+        ):
             try:
-                await one.add_steer("s", "x", message_id=bad)
+                await one.add_steer("s", "x", **bad)
             except ValueError as exc:
-                assert "message id" in str(exc) and words in str(exc), str(exc)
+                assert words in str(exc), str(exc)
             else:
-                raise AssertionError(f"a steer's message id {bad!r} was accepted")
-        assert await one.take_steers("s") == []
+                raise AssertionError(f"a steer with {bad!r} was accepted")
+        assert await one.take_steers("s") == [] and await one.steer_receipt("s", "m-4") is None
 
 
 @session_check

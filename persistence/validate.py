@@ -114,14 +114,16 @@ def check_steer(session_id: str, text: str) -> None:
         raise ValueError(f"a steer for session {session_id!r} {reason}")
 
 
-def check_steer_params(session_id: str, text: str, message_id: str | None) -> None:
-    """What ``add_steer`` is given: a session id, a steer, and the message id it came with, if any."""
+def check_steer_params(session_id: str, text: str, message_id: str | None, task_id: str | None) -> None:
+    """What ``add_steer`` is given: a session id, a steer, and the ids of the message it came in
+    and of its task, if any."""
     check_session_id(session_id)
     check_steer(session_id, text)
-    if message_id is not None:
-        if not isinstance(message_id, str) or not message_id:
-            raise ValueError(f"a steer's message id for session {session_id!r} must be a non-empty string or None")
-        check_name("message id", message_id)
+    for what, name in (("message id", message_id), ("task id", task_id)):
+        if name is not None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"a steer's {what} for session {session_id!r} must be a non-empty string or None")
+            check_name(what, name)
 
 
 def check_task(task_id: str, **columns: str) -> None:

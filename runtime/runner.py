@@ -16,7 +16,7 @@ import attrs
 import trio
 
 import persistence.errors as store_errors
-from persistence.api import SessionStore, TaskStore
+from persistence.api import SessionStore, SteerReceipt, TaskStore
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
@@ -224,13 +224,16 @@ class Runner:
         for taken in current.history:
             if taken.message_id == message.message_id:
                 return _check_same(message, taken, current, f"went to task {task_id!r}")
+        message = attrs.evolve(message, context_id=task.context_id)
         state = task.status.state
         if state.is_terminal:
-            if await self.sessions.steer_left(task.context_id, message.message_id):
-                # Left as a steer while the task worked, but its record in the task failed (a
-                # full disk, or the process died between the two writes): recorded now.
-                return await self._add_to_history(owner, task, version, attrs.evolve(message, context_id=task.context_id))
-            raise TaskIsTerminal(task_id, state.value, "take a message")
+            receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
+            if receipt is None:
+                raise TaskIsTerminal(task_id, state.value, "take a message")
+            # Left as a steer while the task worked, but its record in the task failed (a full
+            # disk, or the process died between the two writes): recorded now.
+            _check_receipt(receipt, message, readable_text(message), task_id)
+            return await self._add_to_history(owner, task, version, message)
         ahead = None if live is None or live.in_turn else self._turn_holder(task.context_id)
         if ahead is not None:
             # Stored for the conversation, it would steer the run that holds the turn, not this task.
@@ -238,14 +241,17 @@ class Runner:
                 f"task {task_id!r} has not started: it waits while task {ahead.task.id!r} has its conversation's turn; "
                 "send this message again once the task is working, or send it to that task to steer it"
             )
-        message = attrs.evolve(message, context_id=task.context_id)
         text = readable_text(message)
         self._refuse_oversize(Transcribed(role="user", text=STEER_LABEL + text))
         # A message to a working task is a steer: stored for the session, taken exactly once
         # before the run's next model request, wherever that run is. Stored with its message id,
         # so that sent again after its record in the task failed (or its process died between
-        # the two writes), it is recorded without steering the run a second time.
-        await self.sessions.add_steer(task.context_id, text, message_id=message.message_id)
+        # the two writes, or while the first send was still writing), it is recorded without
+        # steering the run a second time.
+        if not await self.sessions.add_steer(task.context_id, text, message_id=message.message_id, task_id=task_id):
+            receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
+            if receipt is not None:
+                _check_receipt(receipt, message, text, task_id)
         return await self._add_to_history(owner, task, version, message)
 
     async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
@@ -257,8 +263,10 @@ class Runner:
         for _ in range(HISTORY_WRITE_ATTEMPTS):
             live = self._live.get(task.id)
             if live is not None:
-                return await live.persist(self.tasks, lambda current: attrs.evolve(current, history=(*current.history, message)))
-            updated = attrs.evolve(task, history=(*task.history, message))
+                return await live.persist(self.tasks, lambda current: _with_message(current, message))
+            updated = _with_message(task, message)
+            if updated is task:
+                return task
             try:
                 await self.tasks.update(
                     owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(updated),
@@ -582,6 +590,25 @@ def _check_same(message: Message, sent: Message, task: Task, where: str) -> Task
     if [p.to_json(STORED_VERSION) for p in message.parts] != [p.to_json(STORED_VERSION) for p in sent.parts]:
         raise _sent_with_other_content(message, where)
     return task
+
+
+def _with_message(task: Task, message: Message) -> Task:
+    """``task`` with ``message`` last in its history, unless it is there already (the same
+    message sent twice at once: both sends record it, once)."""
+    if any(taken.message_id == message.message_id for taken in task.history):
+        return task
+    return attrs.evolve(task, history=(*task.history, message))
+
+
+def _check_receipt(receipt: SteerReceipt, message: Message, text: str, task_id: str) -> None:
+    """A message whose id a steer was left with is that steer sent again, or a mistake said as such."""
+    if receipt.task_id is not None and receipt.task_id != task_id:
+        raise InvalidParams(
+            "message.messageId",
+            problem=f"{quoted(message.message_id)} was sent before, to task {receipt.task_id!r}; a new message needs a new messageId",
+        )
+    if not receipt.same(text):
+        raise _sent_with_other_content(message, f"went to task {task_id!r}")
 
 
 def _sent_with_other_content(message: Message, where: str) -> InvalidParams:

@@ -206,7 +206,7 @@ class LiveTask:
         if self.settled.is_set():
             send.close()
             return receive
-        if self._answer.tell():  # joining mid-answer: what was streamed before, then the pieces to come
+        if self._answer.tell() or self._answered:  # joining mid-answer: what was streamed before, then the pieces to come
             send.send_nowait(self._answer_update(self._answer.getvalue(), append=False, last=self._answered))
         self._subscribers[receive] = send
         return receive

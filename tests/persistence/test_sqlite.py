@@ -415,7 +415,7 @@ async def test_a_sessions_database_of_the_first_schema_keeps_its_steers_and_lear
         transaction(conn, write_identity_txn, SchemaIdentity(SESSIONS_SCHEMA.name, 1))
         conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES ('conv', 'left before the upgrade', 1)")
     async with open_session_store(path) as store:
-        assert await store.add_steer("conv", "sent once", message_id="m1") is True
+        assert await store.add_steer("conv", "sent once", message_id="m1", task_id="t1") is True
         assert await store.add_steer("conv", "sent once", message_id="m1") is False
         assert await store.take_steers("conv") == ["left before the upgrade", "sent once"]
     with closing(sqlite3.connect(path)) as conn:

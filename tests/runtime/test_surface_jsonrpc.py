@@ -456,6 +456,44 @@ async def test_a_steer_stored_but_not_recorded_in_its_task_steers_once_when_sent
     assert sum("Use the staging runbook" in text for text in second) == 1
 
 
+async def test_a_steers_message_id_sent_to_another_task_or_with_other_words_is_refused_naming_its_task(keel: Served) -> None:
+    keel.model.script = [Reply(text="Checkout fixed."), Reply(tool_calls=[GATE_CALL]), Reply(text="Cart fixed.")]
+    first = await keel.send("Fix checkout")
+    second = await keel.send("Then the cart", blocking=False, contextId=first["contextId"])
+    await keel.gate.wait_entered()
+    steer = message("Use the staging runbook", V1, taskId=second["id"])
+    await keel.result("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
+    for parts in ([{"text": "Use the staging runbook"}], [{"text": "Use the production runbook"}]):
+        error = await keel.error("SendMessage", {"message": {**steer, "taskId": first["id"], "parts": parts}})
+        check_error(error, -32602, V1, "INVALID_PARAMS")
+        assert f"was sent before, to task {second['id']!r}; a new message needs a new messageId" in error["message"]
+    history = (await keel.result("GetTask", {"id": first["id"]}))["history"]
+    assert [m["parts"][0]["text"] for m in history] == ["Fix checkout", "Checkout fixed."]
+    keel.gate.opened.set()
+    assert (await keel.runner.wait_settled(ANONYMOUS, second["id"])).status.state.value == "completed"
+
+
+async def test_one_steer_sent_twice_at_once_steers_once_and_is_recorded_once(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Used the staging runbook.")]
+    task = await keel.send("Fix checkout", blocking=False)
+    await keel.gate.wait_entered()
+    steer = {"message": message("Use the staging runbook", V1, taskId=task["id"]), "configuration": {"returnImmediately": True}}
+    answers: list[dict[str, object]] = []
+
+    async def send() -> None:
+        answers.append(await keel.result("SendMessage", steer))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        nursery.start_soon(send)
+    assert [a["task"]["id"] for a in answers] == [task["id"]] * 2  # type: ignore[index]
+    keel.gate.opened.set()
+    settled = await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    assert [m.parts[0].text for m in settled.history].count("Use the staging runbook") == 1  # type: ignore[union-attr]
+    second = [m.get("content") or "" for m in keel.model.bodies[1]["messages"]]
+    assert sum("Use the staging runbook" in text for text in second) == 1
+
+
 # -- get and list -----------------------------------------------------------------------------
 
 

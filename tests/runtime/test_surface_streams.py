@@ -322,27 +322,26 @@ async def test_a_streaming_send_sent_again_streams_the_task_it_started_and_ends(
 
 
 async def test_a_subscriber_that_comes_mid_answer_gets_the_text_so_far_then_the_rest(keel: Served) -> None:
-    # The model streams "The vault le" (three pieces of four characters) and then nothing.
-    keel.model.script = [Reply(text="The vault lease expired.", chunk_chars=4, hang_after_chunks=4)]  # a role, 3 pieces
+    # The first step streams its text and calls the gate tool, which holds the run; the
+    # subscriber joins there, then the second step streams the rest.
+    keel.model.script = [Reply(text="Looking at the lease. ", tool_calls=[GATE_CALL]), Reply(text="It expired.", chunk_chars=4)]
     task = await keel.send("Why?", blocking=False)
-    params = {"id": task["id"]}
-    async with keel.stream("SubscribeToTask", params) as early:
-        seen = ""
-        while seen != "The vault le":
-            frame = await early.next()
-            assert frame is not None, f"the stream ended having shown {seen!r}"
-            if kind(frame["result"]) == "artifactUpdate":
-                seen += frame["result"]["artifactUpdate"]["artifact"]["parts"][0]["text"]
-        async with keel.stream("SubscribeToTask", params) as late:
-            first, second = await late.next(), await late.next()
-            assert first is not None and second is not None
-            assert kind(first["result"]) == "task"
-            update = second["result"]["artifactUpdate"]
-            assert update["artifact"]["parts"] == [{"text": "The vault le"}]
-            assert not update.get("append") and not update.get("lastChunk")  # it replaces what the client had
-            await keel.result("CancelTask", params)
-            assert state(results(await late.rest())[-1]) == "TASK_STATE_CANCELED"
-        assert state(results(await early.rest())[-1]) == "TASK_STATE_CANCELED"
+    await keel.gate.wait_entered()
+    async with keel.stream("SubscribeToTask", {"id": task["id"]}) as late:
+        first, second = await late.next(), await late.next()
+        assert first is not None and second is not None
+        assert kind(first["result"]) == "task"
+        so_far = second["result"]["artifactUpdate"]
+        assert so_far["artifact"]["parts"] == [{"text": "Looking at the lease. "}]
+        assert not so_far.get("append") and not so_far.get("lastChunk")  # it replaces what the client had
+        keel.gate.opened.set()
+        frames = results(await late.rest())
+    updates = [f["artifactUpdate"] for f in frames if kind(f) == "artifactUpdate"]
+    pieces, whole = updates[:-1], updates[-1]
+    assert [u.get("append") for u in pieces] == [True] * len(pieces) and len(pieces) == 3
+    assert "".join(u["artifact"]["parts"][0]["text"] for u in pieces) == "It expired."
+    assert whole["lastChunk"] is True and not whole.get("append") and whole["artifact"]["parts"] == [{"text": "It expired."}]
+    assert state(frames[-1]) == "TASK_STATE_COMPLETED"
 
 
 async def test_a_subscriber_that_comes_after_the_answer_was_sent_gets_the_whole_answer() -> None:
@@ -356,3 +355,9 @@ async def test_a_subscriber_that_comes_after_the_answer_was_sent_gets_the_whole_
     whole = receive.receive_nowait()
     assert whole.artifact.parts == (TextPart("The lease expired."),)
     assert (whole.append, whole.last_chunk) == (False, True)
+    # An empty answer is still the whole answer.
+    empty = LiveTask(owner=ANONYMOUS, task=working, version=2)
+    empty.finish_answer("")
+    receive = empty.subscribe()
+    receive.receive_nowait()
+    assert receive.receive_nowait().artifact.parts == (TextPart(""),)
