@@ -246,6 +246,6 @@ class MemoryTaskStore(_Closable):
         token = encode_page_token(records[-1]) if len(rest) > page_size else ""
         return TaskPage(records=records, next_page_token=token, total_size=len(matching))
 
-    async def unfinished(self) -> list[TaskRecord]:
+    async def unfinished(self) -> Sequence[TaskRecord]:
         await self._enter()
         return sorted((r for r in self.tasks.values() if r.state in UNFINISHED_STATES), key=lambda r: (r.created_at_ms, r.id))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -218,7 +218,7 @@ class SqliteTaskStore(WriterBacked):
         # One read transaction, so the count and the page agree.
         return await self.pool.run(_read_txn, _list_txn, owner, filters, page_size, after)
 
-    async def unfinished(self) -> list[TaskRecord]:
+    async def unfinished(self) -> Sequence[TaskRecord]:
         """Every owner's SUBMITTED or WORKING tasks, oldest first: what a dead process left running."""
         marks = ", ".join("?" for _ in UNFINISHED_STATES)
         rows = await self.pool.run(

@@ -8,6 +8,7 @@ whitespace included), carried as a JSON string so they come back byte for byte.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -29,6 +30,10 @@ class ToolCall:
         return cls(id=str(data["id"]), name=str(data["name"]), arguments=str(data.get("arguments", "{}")))
 
 
+def _tool_calls(calls: Iterable[ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(calls)
+
+
 @attrs.frozen
 class Message:
     """One message of a transcript.
@@ -41,7 +46,7 @@ class Message:
 
     role: str = attrs.field(validator=attrs.validators.in_(ROLES))
     text: str = ""
-    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=tuple)
+    tool_calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_tool_calls)
     tool_call_id: str = ""
     name: str = ""
     partial: bool = False

@@ -21,7 +21,7 @@ def _reject_constant(name: str) -> None:
 
 
 _STRICT = json.JSONDecoder(parse_constant=_reject_constant)
-_scan_once = json.scanner.make_scanner(_STRICT)  # type: ignore[no-untyped-call]
+_scan_once = json.scanner.make_scanner(_STRICT)  # type: ignore[arg-type]
 
 
 def is_json(text: str) -> bool:
