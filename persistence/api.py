@@ -32,14 +32,15 @@ class SteerReceipt:
     """What a session store keeps of a steer left with a message id, after the steer is taken."""
 
     task_id: str | None  # the task it was sent to, if it was given
-    text_sha256: str  # of the steer's text, UTF-8
+    sent_sha256: str  # of the message as it was sent (its text, unless add_steer was told otherwise), UTF-8
 
-    def same(self, text: str) -> bool:
-        return self.text_sha256 == steer_digest(text)
+    def same(self, sent_as: str) -> bool:
+        """Whether a message sent as ``sent_as`` is the one this steer came in."""
+        return self.sent_sha256 == steer_digest(sent_as)
 
 
-def steer_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def steer_digest(sent_as: str) -> str:
+    return hashlib.sha256(sent_as.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class SessionStore(Protocol):
@@ -72,12 +73,19 @@ class SessionStore(Protocol):
     async def messages(self, session_id: str) -> list[Message]: ...
 
     async def add_steer(
-        self, session_id: str, text: str, *, message_id: str | None = None, task_id: str | None = None
+        self,
+        session_id: str,
+        text: str,
+        *,
+        message_id: str | None = None,
+        task_id: str | None = None,
+        sent_as: str | None = None,
     ) -> bool:
         """Leave a steer for the session's next model request; True once it is durable. With
-        ``message_id`` a receipt is kept too (with ``task_id``, and a digest of the text), and a
-        steer left before with that id (taken since or not) is not left again: nothing is stored
-        and the answer is False (see ``steer_receipt`` for what was left)."""
+        ``message_id`` a receipt is kept too (with ``task_id``, and a digest of ``sent_as``, the
+        message as its client sent it, by default the text), and a steer left before with that
+        id (taken since or not) is not left again: nothing is stored and the answer is False
+        (see ``steer_receipt`` for what was left)."""
 
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         """The receipt of the steer left for the session with this message id, if one was."""

@@ -112,14 +112,21 @@ class MemorySessionStore(_Closable):
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
 
     async def add_steer(
-        self, session_id: str, text: str, *, message_id: str | None = None, task_id: str | None = None
+        self,
+        session_id: str,
+        text: str,
+        *,
+        message_id: str | None = None,
+        task_id: str | None = None,
+        sent_as: str | None = None,
     ) -> bool:
         check_steer_params(session_id, text, message_id, task_id)
         await self._enter()
         if message_id is not None:
             if (session_id, message_id) in self.data.steer_receipts:
                 return False
-            self.data.steer_receipts[session_id, message_id] = SteerReceipt(task_id=task_id, text_sha256=steer_digest(text))
+            digest = steer_digest(text if sent_as is None else sent_as)
+            self.data.steer_receipts[session_id, message_id] = SteerReceipt(task_id=task_id, sent_sha256=digest)
         self.data.steers.setdefault(session_id, []).append(text)
         return True
 

@@ -80,7 +80,7 @@ def _v2(conn: sqlite3.Connection) -> None:
             session_id TEXT NOT NULL,
             message_id TEXT NOT NULL,
             task_id TEXT,                           -- the task it was sent to, if given
-            text_sha256 TEXT NOT NULL,              -- to tell the same steer sent again from another
+            sent_sha256 TEXT NOT NULL,              -- of the message as sent: a resend, or another message?
             created_at_ms INTEGER NOT NULL,
             PRIMARY KEY (session_id, message_id)
         ) WITHOUT ROWID;
@@ -247,13 +247,13 @@ def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_
 
 
 def _add_steer_txn(
-    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str, message_id: str | None, task_id: str | None
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str, receipt: tuple[str, str | None, str] | None
 ) -> bool:
     now = now_ms()
-    if message_id is not None and not conn.execute(
-        "INSERT INTO steer_receipts (session_id, message_id, task_id, text_sha256, created_at_ms) VALUES (?, ?, ?, ?, ?)"
+    if receipt is not None and not conn.execute(
+        "INSERT INTO steer_receipts (session_id, message_id, task_id, sent_sha256, created_at_ms) VALUES (?, ?, ?, ?, ?)"
         " ON CONFLICT DO NOTHING",
-        (session_id, message_id, task_id, steer_digest(text), now),
+        (session_id, *receipt, now),
     ).rowcount:
         return False
     conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES (?, ?, ?)", (session_id, text, now))
@@ -329,20 +329,27 @@ class SqliteSessionStore(WriterBacked):
         return await self._writer.submit(_save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes)
 
     async def add_steer(
-        self, session_id: str, text: str, *, message_id: str | None = None, task_id: str | None = None
+        self,
+        session_id: str,
+        text: str,
+        *,
+        message_id: str | None = None,
+        task_id: str | None = None,
+        sent_as: str | None = None,
     ) -> bool:
         check_steer_params(session_id, text, message_id, task_id)
-        return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, message_id, task_id)
+        receipt = None if message_id is None else (message_id, task_id, steer_digest(text if sent_as is None else sent_as))
+        return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, receipt)
 
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         if lone_surrogate(session_id) or lone_surrogate(message_id):  # never stored
             return None
         row = await self.pool.run(
             lambda conn: conn.execute(
-                "SELECT task_id, text_sha256 FROM steer_receipts WHERE session_id = ? AND message_id = ?", (session_id, message_id)
+                "SELECT task_id, sent_sha256 FROM steer_receipts WHERE session_id = ? AND message_id = ?", (session_id, message_id)
             ).fetchone()
         )
-        return None if row is None else SteerReceipt(task_id=row[0], text_sha256=row[1])
+        return None if row is None else SteerReceipt(task_id=row[0], sent_sha256=row[1])
 
     async def take_steers(self, session_id: str) -> list[str]:
         return await self._writer.submit(_take_steers_txn, self._lengths, session_id)

@@ -149,11 +149,15 @@ async def a_steer_left_again_with_its_message_id_is_not_left_twice(backend: Back
         # The id is the session's: another session, another id, or none at all are other steers.
         assert await one.add_steer("t", "use the staging runbook", message_id="m-1") is True
         assert (await one.steer_receipt("t", "m-1")) == attrs.evolve(receipt, task_id=None)
+        # Told how the message was sent, the receipt tells that apart, not the text.
+        assert await one.add_steer("t", "use the staging runbook", message_id="m-5", sent_as='[{"text":"use the staging runbook"}]')
+        sent = await two.steer_receipt("t", "m-5")
+        assert sent is not None and sent.same('[{"text":"use the staging runbook"}]') and not sent.same("use the staging runbook")
         assert await one.add_steer("s", "and the renewals", message_id="m-2") is True
         assert await one.add_steer("s", "and the renewals") is True
         assert await one.add_steer("s", "and the renewals") is True
         assert await two.take_steers("s") == ["and the renewals"] * 3
-        assert await two.take_steers("t") == ["use the staging runbook"]
+        assert await two.take_steers("t") == ["use the staging runbook"] * 2
         # Sent again at the same moment through two stores (two processes): one of them leaves it.
         left: list[bool] = []
 

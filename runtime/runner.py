@@ -8,6 +8,7 @@ only its own subscription.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -226,15 +227,16 @@ class Runner:
                 return _check_same(message, taken, current, f"went to task {task_id!r}")
         message = attrs.evolve(message, context_id=task.context_id)
         state = task.status.state
-        if state.is_terminal:
+        ahead = None if state.is_terminal or live is None or live.in_turn else self._turn_holder(task.context_id)
+        if state.is_terminal or ahead is not None:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
-            if receipt is None:
-                raise TaskIsTerminal(task_id, state.value, "take a message")
-            # Left as a steer while the task worked, but its record in the task failed (a full
-            # disk, or the process died between the two writes): recorded now.
-            _check_receipt(receipt, message, readable_text(message), task_id)
-            return await self._add_to_history(owner, task, version, message)
-        ahead = None if live is None or live.in_turn else self._turn_holder(task.context_id)
+            if receipt is not None:
+                # Left as a steer while the task worked, but its record in the task failed (a
+                # full disk, or the process died between the two writes): recorded now.
+                _check_receipt(receipt, message, task_id)
+                return await self._add_to_history(owner, task, version, message)
+        if state.is_terminal:
+            raise TaskIsTerminal(task_id, state.value, "take a message")
         if ahead is not None:
             # Stored for the conversation, it would steer the run that holds the turn, not this task.
             raise UnsupportedOperation(
@@ -248,10 +250,13 @@ class Runner:
         # so that sent again after its record in the task failed (or its process died between
         # the two writes, or while the first send was still writing), it is recorded without
         # steering the run a second time.
-        if not await self.sessions.add_steer(task.context_id, text, message_id=message.message_id, task_id=task_id):
+        left = await self.sessions.add_steer(
+            task.context_id, text, message_id=message.message_id, task_id=task_id, sent_as=_as_sent(message)
+        )
+        if not left:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
             if receipt is not None:
-                _check_receipt(receipt, message, text, task_id)
+                _check_receipt(receipt, message, task_id)
         return await self._add_to_history(owner, task, version, message)
 
     async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
@@ -600,14 +605,19 @@ def _with_message(task: Task, message: Message) -> Task:
     return attrs.evolve(task, history=(*task.history, message))
 
 
-def _check_receipt(receipt: SteerReceipt, message: Message, text: str, task_id: str) -> None:
+def _as_sent(message: Message) -> str:
+    """A message's parts as stored: what tells the same message sent again from another."""
+    return json.dumps([part.to_json(STORED_VERSION) for part in message.parts], sort_keys=True, separators=(",", ":"))
+
+
+def _check_receipt(receipt: SteerReceipt, message: Message, task_id: str) -> None:
     """A message whose id a steer was left with is that steer sent again, or a mistake said as such."""
     if receipt.task_id is not None and receipt.task_id != task_id:
         raise InvalidParams(
             "message.messageId",
             problem=f"{quoted(message.message_id)} was sent before, to task {receipt.task_id!r}; a new message needs a new messageId",
         )
-    if not receipt.same(text):
+    if not receipt.same(_as_sent(message)):
         raise _sent_with_other_content(message, f"went to task {task_id!r}")
 
 

@@ -442,6 +442,9 @@ async def test_a_steer_stored_but_not_recorded_in_its_task_steers_once_when_sent
     assert "a message sent again with the same messageId is taken once" in error["message"]
     with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
         conn.execute("DROP TRIGGER full")
+    # Another message under that id, though the model would read the same text: refused.
+    impostor = {**steer, "message": {**steer["message"], "parts": [{"text": "Use the staging runbook", "metadata": {"from": "cli"}}]}}
+    check_error(await keel.error("SendMessage", impostor), -32602, V1, "INVALID_PARAMS")
     if when == "after it ended":
         keel.gate.opened.set()
         assert (await keel.runner.wait_settled(ANONYMOUS, task["id"])).status.state.value == "completed"
@@ -457,18 +460,21 @@ async def test_a_steer_stored_but_not_recorded_in_its_task_steers_once_when_sent
 
 
 async def test_a_steers_message_id_sent_to_another_task_or_with_other_words_is_refused_naming_its_task(keel: Served) -> None:
-    keel.model.script = [Reply(text="Checkout fixed."), Reply(tool_calls=[GATE_CALL]), Reply(text="Cart fixed.")]
+    keel.model.script = [Reply(text="Checkout fixed."), Reply(tool_calls=[GATE_CALL]), Reply(text="Cart fixed."), Reply(text="Paid.")]
     first = await keel.send("Fix checkout")
     second = await keel.send("Then the cart", blocking=False, contextId=first["contextId"])
     await keel.gate.wait_entered()
     steer = message("Use the staging runbook", V1, taskId=second["id"])
     await keel.result("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
-    for parts in ([{"text": "Use the staging runbook"}], [{"text": "Use the production runbook"}]):
-        error = await keel.error("SendMessage", {"message": {**steer, "taskId": first["id"], "parts": parts}})
-        check_error(error, -32602, V1, "INVALID_PARAMS")
-        assert f"was sent before, to task {second['id']!r}; a new message needs a new messageId" in error["message"]
+    third = await keel.send("And the payments", blocking=False, contextId=first["contextId"])  # waits for its turn
+    for other_task in (first, third):
+        for parts in ([{"text": "Use the staging runbook"}], [{"text": "Use the production runbook"}]):
+            error = await keel.error("SendMessage", {"message": {**steer, "taskId": other_task["id"], "parts": parts}})
+            check_error(error, -32602, V1, "INVALID_PARAMS")
+            assert f"was sent before, to task {second['id']!r}; a new message needs a new messageId" in error["message"]
     history = (await keel.result("GetTask", {"id": first["id"]}))["history"]
     assert [m["parts"][0]["text"] for m in history] == ["Fix checkout", "Checkout fixed."]
+    assert len((await keel.result("GetTask", {"id": third["id"]}))["history"]) == 1
     keel.gate.opened.set()
     assert (await keel.runner.wait_settled(ANONYMOUS, second["id"])).status.state.value == "completed"
 
