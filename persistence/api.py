@@ -34,6 +34,11 @@ class SteerReceipt:
     task_id: str | None  # the task it was sent to, if it was given
     sent_sha256: str  # of the message as it was sent (its text, unless add_steer was told otherwise), UTF-8
 
+    @classmethod
+    def of(cls, text: str, *, task_id: str | None, sent_as: str | None) -> SteerReceipt:
+        """The receipt of a steer left with ``text``, sent as ``sent_as`` (by default the text)."""
+        return cls(task_id=task_id, sent_sha256=steer_digest(text if sent_as is None else sent_as))
+
     def same(self, sent_as: str) -> bool:
         """Whether a message sent as ``sent_as`` is the one this steer came in."""
         return self.sent_sha256 == steer_digest(sent_as)

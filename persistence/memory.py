@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import trio
 
-from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt, TaskPage, TaskRecord, steer_digest
+from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt, TaskPage, TaskRecord
 from persistence.errors import MessageTaken, StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
 from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
@@ -125,8 +125,7 @@ class MemorySessionStore(_Closable):
         if message_id is not None:
             if (session_id, message_id) in self.data.steer_receipts:
                 return False
-            digest = steer_digest(text if sent_as is None else sent_as)
-            self.data.steer_receipts[session_id, message_id] = SteerReceipt(task_id=task_id, sent_sha256=digest)
+            self.data.steer_receipts[session_id, message_id] = SteerReceipt.of(text, task_id=task_id, sent_as=sent_as)
         self.data.steers.setdefault(session_id, []).append(text)
         return True
 

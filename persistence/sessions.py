@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import trio
 
-from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt, steer_digest
+from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt
 from persistence.locks import TurnLocks
 from persistence.sqlite import Schema, SqlitePool, execute_ddl
 from persistence.writer import WriterBacked, running
@@ -247,13 +247,13 @@ def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_
 
 
 def _add_steer_txn(
-    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str, receipt: tuple[str, str | None, str] | None
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str, message_id: str | None, receipt: SteerReceipt
 ) -> bool:
     now = now_ms()
-    if receipt is not None and not conn.execute(
+    if message_id is not None and not conn.execute(
         "INSERT INTO steer_receipts (session_id, message_id, task_id, sent_sha256, created_at_ms) VALUES (?, ?, ?, ?, ?)"
         " ON CONFLICT DO NOTHING",
-        (session_id, *receipt, now),
+        (session_id, message_id, receipt.task_id, receipt.sent_sha256, now),
     ).rowcount:
         return False
     conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES (?, ?, ?)", (session_id, text, now))
@@ -338,8 +338,8 @@ class SqliteSessionStore(WriterBacked):
         sent_as: str | None = None,
     ) -> bool:
         check_steer_params(session_id, text, message_id, task_id)
-        receipt = None if message_id is None else (message_id, task_id, steer_digest(text if sent_as is None else sent_as))
-        return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, receipt)
+        receipt = SteerReceipt.of(text, task_id=task_id, sent_as=sent_as)
+        return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, message_id, receipt)
 
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         if lone_surrogate(session_id) or lone_surrogate(message_id):  # never stored
