@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import attrs
 import trio
@@ -284,7 +284,7 @@ class SqliteSessionStore(WriterBacked):
         return self._lengths
 
     @classmethod
-    async def open(cls, path: Path, *, synchronous: str = "FULL", max_event_bytes: int = MAX_EVENT_BYTES) -> SqliteSessionStore:
+    async def open(cls, path: Path, *, synchronous: str = "FULL", max_event_bytes: int = MAX_EVENT_BYTES) -> Self:
         pool = await SqlitePool.open(path, SESSIONS_SCHEMA, synchronous=synchronous)
         return cls(pool=pool, max_event_bytes=max_event_bytes)
 

@@ -8,7 +8,7 @@ import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import attrs
 
@@ -168,7 +168,7 @@ class SqliteTaskStore(WriterBacked):
     """
 
     @classmethod
-    async def open(cls, path: Path, *, synchronous: str = "FULL") -> SqliteTaskStore:
+    async def open(cls, path: Path, *, synchronous: str = "FULL") -> Self:
         return cls(pool=await SqlitePool.open(path, TASKS_SCHEMA, synchronous=synchronous))
 
     async def create(

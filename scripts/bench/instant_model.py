@@ -60,7 +60,7 @@ class InstantStream:
 
     def completion(self) -> Completion:
         calls: tuple[ToolCall, ...] = () if self.final else (ToolCall(f"call_{self.number}", "lookup", ARGUMENTS),)
-        message = Message(role="assistant", text=self._said, tool_calls=calls)  # type: ignore[arg-type]  # Message.tool_calls converts with tuple, which mypy's attrs plugin cannot type
+        message = Message(role="assistant", text=self._said, tool_calls=calls)
         return Completion(message, "stop" if self.final else "tool_calls")
 
     def partial_message(self) -> Message:

@@ -93,7 +93,7 @@ class Connection:
         return status, await self._read_exactly(int(headers["content-length"])), keep
 
     async def _read_chunked(self) -> bytes:
-        pieces = []
+        pieces: list[bytes] = []
         while True:
             size = int((await self._read_until(b"\r\n")).split(b";")[0], 16)
             if size == 0:

@@ -235,6 +235,7 @@ async def test_sigterm_stops_the_server_while_a_client_has_stopped_reading_its_s
             f"POST {url.path or '/'} HTTP/1.1\r\nHost: {url.netloc}\r\nA2A-Version: 1.0\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode() + body
+        assert url.hostname is not None and url.port is not None
         async with await trio.open_tcp_stream(url.hostname, url.port) as stalled:
             await stalled.send_all(request)
             first = b""

@@ -304,7 +304,7 @@ async def test_a_cancelled_writer_never_acknowledges_a_write_it_did_not_make(tmp
 
         writer_scope = trio.CancelScope()
 
-        async def run_writer(*, task_status: trio.TaskStatus[None], writer: GroupCommitWriter = writer, scope: trio.CancelScope = writer_scope) -> None:
+        async def run_writer(*, task_status: trio.TaskStatus[GroupCommitWriter], writer: GroupCommitWriter = writer, scope: trio.CancelScope = writer_scope) -> None:
             with scope:
                 await writer.run(task_status=task_status)
 

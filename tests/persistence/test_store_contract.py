@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 
 import attrs
@@ -11,8 +11,8 @@ import pytest
 
 from persistence import storetest
 from persistence.memory import MemorySessionData, MemorySessionStore, MemoryTaskStore
-from persistence.sessions import open_session_store
-from persistence.tasks import open_task_store
+from persistence.sessions import SqliteSessionStore, open_session_store
+from persistence.tasks import SqliteTaskStore, open_task_store
 from persistence.api import TaskRecord
 
 
@@ -20,10 +20,10 @@ from persistence.api import TaskRecord
 class SqliteBackend:
     directory: Path
 
-    def sessions(self):  # type: ignore[no-untyped-def]
+    def sessions(self) -> AbstractAsyncContextManager[SqliteSessionStore]:
         return open_session_store(self.directory / "runtime.db")
 
-    def tasks(self):  # type: ignore[no-untyped-def]
+    def tasks(self) -> AbstractAsyncContextManager[SqliteTaskStore]:
         return open_task_store(self.directory / "tasks.db")
 
 

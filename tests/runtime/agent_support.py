@@ -226,7 +226,7 @@ class ScriptedStream:
         raise StopAsyncIteration
 
     def completion(self) -> Completion:
-        message = Message(role="assistant", text="".join(self._said), tool_calls=self.answer.calls)  # type: ignore[arg-type]  # Message.tool_calls converts with tuple, which mypy's attrs plugin cannot type
+        message = Message(role="assistant", text="".join(self._said), tool_calls=self.answer.calls)
         return Completion(message=message, finish_reason="tool_calls" if self.answer.calls else "stop")
 
     def partial_message(self) -> Message:

@@ -84,12 +84,12 @@ def default_health(state_dir: Path, model: ModelClient) -> Health:
     return Health(state_dir=state_dir, model=model)
 
 
-def message(text: str, version: str | None = "1.0", **ids: str) -> JsonObject:
-    """A user message on the wire of ``version`` ("1.0", or None for 0.3); ``ids`` are
-    ``taskId``/``contextId``."""
+def message(text: str, version: str | None = "1.0", **fields: object) -> JsonObject:
+    """A user message on the wire of ``version`` ("1.0", or None for 0.3); ``fields`` are more
+    of its fields: ``taskId``, ``contextId``, ``referenceTaskIds``..."""
     if version is None:
-        return {"kind": "message", "messageId": uuid.uuid4().hex, "role": "user", "parts": [{"kind": "text", "text": text}], **ids}
-    return {"messageId": uuid.uuid4().hex, "role": "ROLE_USER", "parts": [{"text": text}], **ids}
+        return {"kind": "message", "messageId": uuid.uuid4().hex, "role": "user", "parts": [{"kind": "text", "text": text}], **fields}
+    return {"messageId": uuid.uuid4().hex, "role": "ROLE_USER", "parts": [{"text": text}], **fields}
 
 
 @attrs.define(eq=False)

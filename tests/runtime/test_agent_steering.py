@@ -158,7 +158,7 @@ async def test_a_steer_is_never_delivered_twice(fake_model: FakeModel, tmp_path:
             await leave_steer(path, "left in the store")
         return "healthy"
 
-    fake_model.script = [Reply(tool_calls=[Call("lookup", VAULT)])] * 3 + [Reply(text="Done.")]
+    fake_model.script = [*[Reply(tool_calls=[Call("lookup", VAULT)])] * 3, Reply(text="Done.")]
     log = EventLog()
     with trio.fail_after(DEADLINE_S):
         async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:

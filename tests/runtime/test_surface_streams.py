@@ -22,6 +22,7 @@ from protocol import (
     SseParser,
     StreamEvent,
     Task,
+    TaskArtifactUpdateEvent,
     TaskNotFound,
     TaskState,
     TaskStatus,
@@ -353,6 +354,7 @@ async def test_a_subscriber_that_comes_after_the_answer_was_sent_gets_the_whole_
     receive = live.subscribe()
     assert receive.receive_nowait() == live.task
     whole = receive.receive_nowait()
+    assert isinstance(whole, TaskArtifactUpdateEvent)
     assert whole.artifact.parts == (TextPart("The lease expired."),)
     assert (whole.append, whole.last_chunk) == (False, True)
     # An empty answer is still the whole answer.
@@ -360,4 +362,6 @@ async def test_a_subscriber_that_comes_after_the_answer_was_sent_gets_the_whole_
     empty.finish_answer("")
     receive = empty.subscribe()
     receive.receive_nowait()
-    assert receive.receive_nowait().artifact.parts == (TextPart(""),)
+    whole = receive.receive_nowait()
+    assert isinstance(whole, TaskArtifactUpdateEvent)
+    assert whole.artifact.parts == (TextPart(""),)

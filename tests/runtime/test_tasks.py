@@ -222,7 +222,7 @@ async def test_an_end_that_could_not_be_stored_is_tried_again_until_the_store_ta
         assert (await runner.wait_settled(ANONYMOUS, task.id)).status.state is TaskState.COMPLETED  # no EndNotStored now
         assert runner.statistics().running == 0
     stored = decode(await tasks.get(ANONYMOUS, task.id))
-    assert stored.status.message is not None and stored.status.message.parts[0].text == "All done."
+    assert stored.status.message is not None and stored.status.message.parts == (TextPart("All done."),)
 
 
 async def test_a_runner_that_stops_leaves_an_end_it_could_not_store_to_the_next_process() -> None:

@@ -76,7 +76,7 @@ async def left_by_a_dead_process(
 
 
 def user_texts(body: dict[str, object]) -> list[str]:
-    return [m["content"] for m in body["messages"] if m["role"] == "user"]  # type: ignore[attr-defined, index]
+    return [m["content"] for m in body["messages"] if m["role"] == "user"]  # type: ignore[attr-defined]
 
 
 EARLIER = [Transcribed(role="user", text="Which region?", turn_id="an-earlier-task"), Transcribed(role="assistant", text="eu-west-1.")]
@@ -180,6 +180,7 @@ async def test_the_question_is_saved_while_working_is_written_and_the_model_wait
 ) -> None:
     fake_model.default = Reply(text="Yes.")
     async with runner_over(tmp_path, fake_model, held_working(fail=False)) as (runner, sessions, tasks):
+        assert isinstance(tasks, HeldWorking)
         task = await runner.send(ANONYMOUS, SendMessageParams(message=question()))
         with trio.fail_after(DEADLINE_S):
             await tasks.entered.wait()
@@ -200,6 +201,7 @@ async def test_a_working_state_that_cannot_be_stored_fails_the_task_before_the_m
 ) -> None:
     fake_model.default = Reply(text="Yes.")
     async with runner_over(tmp_path, fake_model, held_working(fail=True)) as (runner, _, tasks):
+        assert isinstance(tasks, HeldWorking)
         tasks.release.set()
         task = await runner.send(ANONYMOUS, SendMessageParams(message=question()))
         with trio.fail_after(DEADLINE_S):
