@@ -68,7 +68,7 @@ from protocol.params import (
     TaskQueryParams,
 )
 from protocol.parts import DataPart, FilePart, Part, TextPart, part_from_json
-from protocol.sse import SseEvent, SseParser, encode_comment, encode_event
+from protocol.sse import SseEvent, SseLines, SseParser, encode_comment, encode_event
 from protocol.states import TRANSITIONS, TaskState, can_transition, check_transition, is_interrupted, is_terminal
 from protocol.tasks import Artifact, Task, TaskStatus, trim_history
 from protocol.versions import VERSION_HEADER, ProtocolVersion, parse_version_header, requested_version
@@ -117,6 +117,7 @@ __all__ = [
     "SendMessageParams",
     "SendResult",
     "SseEvent",
+    "SseLines",
     "SseParser",
     "END_NOT_STORED",
     "EndNotStored",

@@ -22,9 +22,20 @@ HEADERS = (("content-type", CONTENT_TYPE), ("cache-control", "no-store"), ("x-ac
 """Response headers for a stream, as the reference server sends them (no proxy buffering)."""
 
 
+# Characters that JSON leaves raw but Python's str.splitlines() (which httpx's aiter_lines(), and
+# so the a2a-sdk client, splits a stream with) reads as line breaks: escaped, or a data line holding
+# one is cut in two inside a JSON string. In UTF-8 each is a whole character wherever it appears.
+_SPLITLINES_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
 def encode_event(response: object) -> bytes:
-    """One JSON-RPC response as an SSE event: ``data: {...}\\n\\n``."""
-    return b"data: " + encode_json(response) + b"\n\n"
+    """One JSON-RPC response as an SSE event: ``data: {...}\\n\\n``, on one line for every
+    client (see _SPLITLINES_BREAKS)."""
+    data = encode_json(response)
+    for raw, escaped in _SPLITLINES_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def encode_comment(text: str = "") -> bytes:
@@ -43,42 +54,26 @@ class SseEvent:
 
 
 @attrs.define(eq=False)
-class SseParser:
-    """Turns a byte stream into events; call ``feed`` with each chunk as it arrives."""
+class SseLines:
+    """The lines of an event stream, fed its bytes as they arrive: a line or a UTF-8 character
+    split across reads is put back together, and a leading byte order mark is skipped.
+
+    Lines end at CRLF, CR or LF, and nowhere else: not at the other characters
+    ``str.splitlines()`` breaks at (U+2028, U+0085...), which a server may send raw inside JSON."""
 
     _decoder: codecs.IncrementalDecoder = attrs.field(
         init=False, factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
     _buffer: str = attrs.field(init=False, default="")
-    _data: list[str] = attrs.field(init=False, factory=list)
-    _event: str = attrs.field(init=False, default="")
-    _last_id: str | None = attrs.field(init=False, default=None)
-    _retry_ms: int | None = attrs.field(init=False, default=None)
     _started: bool = attrs.field(init=False, default=False)
     _skip_lf: bool = attrs.field(init=False, default=False)
 
-    def feed(self, chunk: bytes) -> list[SseEvent]:
-        """The events completed by ``chunk`` (often none, sometimes several)."""
-        text = self._decoder.decode(chunk)
-        if not self._started and text:
-            text = text.removeprefix("\ufeff")
+    def feed(self, chunk: bytes) -> list[str]:
+        """The lines ``chunk`` completes, without their line endings."""
+        buffer = self._buffer + self._decoder.decode(chunk)
+        if not self._started and buffer:
+            buffer = buffer.removeprefix("\ufeff")
             self._started = True
-        self._buffer += text
-        events = []
-        for line in self._take_lines():
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
-        return events
-
-    def close(self) -> bool:
-        """Finish the stream; True when it ended cleanly, False when an event was left unfinished
-        (the spec discards it, and a client should treat the stream as cut short)."""
-        self._buffer += self._decoder.decode(b"", final=True)
-        return not self._buffer and not self._data and not self._event
-
-    def _take_lines(self) -> list[str]:
-        buffer = self._buffer
         if self._skip_lf and buffer:
             # The previous chunk ended in CR; an LF now is the second half of that CRLF.
             buffer = buffer.removeprefix("\n")
@@ -91,6 +86,37 @@ class SseParser:
             self._skip_lf = match.group() == "\r" and start == len(buffer)
         self._buffer = buffer[start:]
         return lines
+
+    def close(self) -> str:
+        """The stream has ended: what came after its last line ending ("" when nothing did)."""
+        rest = self._buffer + self._decoder.decode(b"", final=True)
+        self._buffer = ""
+        return rest
+
+
+@attrs.define(eq=False)
+class SseParser:
+    """Turns a byte stream into events; call ``feed`` with each chunk as it arrives."""
+
+    _lines: SseLines = attrs.field(init=False, factory=lambda: SseLines())
+    _data: list[str] = attrs.field(init=False, factory=list)
+    _event: str = attrs.field(init=False, default="")
+    _last_id: str | None = attrs.field(init=False, default=None)
+    _retry_ms: int | None = attrs.field(init=False, default=None)
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """The events completed by ``chunk`` (often none, sometimes several)."""
+        events = []
+        for line in self._lines.feed(chunk):
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def close(self) -> bool:
+        """Finish the stream; True when it ended cleanly, False when an event was left unfinished
+        (the spec discards it, and a client should treat the stream as cut short)."""
+        return not self._lines.close() and not self._data and not self._event
 
     def _line(self, line: str) -> SseEvent | None:
         if not line:

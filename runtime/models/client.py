@@ -23,6 +23,7 @@ import httpx
 import trio
 
 from persistence.transcript import Message
+from protocol import SseLines
 from runtime.models.assembly import StreamAssembler
 from runtime.models.errors import (
     ModelBadResponse,
@@ -284,11 +285,13 @@ class ChatStream:
     _client: ModelClient = attrs.field(alias="client")
     _request: ChatRequest = attrs.field(alias="request")
     _response: httpx.Response | None = attrs.field(init=False, default=None)
-    _lines: AsyncIterator[str] | None = attrs.field(init=False, default=None)
+    _chunks: AsyncIterator[bytes] | None = attrs.field(init=False, default=None)  # the body, as it arrives
+    _splitter: SseLines = attrs.field(init=False, factory=SseLines)
+    _lines: deque[str] = attrs.field(init=False, factory=deque)  # split from the body, not yet read
     _assembler: StreamAssembler = attrs.field(init=False)
     _pending: deque[Delta] = attrs.field(init=False, factory=deque)
     _entered: bool = attrs.field(init=False, default=False)
-    _lines_ended: bool = attrs.field(init=False, default=False)
+    _body_ended: bool = attrs.field(init=False, default=False)
     _quiet_until: float = attrs.field(init=False, default=0.0)  # when the model has been silent too long
     _whole: Completion | None = attrs.field(init=False, default=None)  # from a server that would not stream
 
@@ -308,7 +311,8 @@ class ChatStream:
             self._whole = parse_completion(data, model=self._client.config.model)
             self._pending.extend(_deltas(self._whole))
             return self
-        self._lines = self._response.aiter_lines()
+        # Not httpx's aiter_lines(): it breaks lines where str.splitlines() does, inside JSON too.
+        self._chunks = self._response.aiter_bytes()
         self._quiet_until = trio.current_time() + self._client.config.read_timeout_s
         return self
 
@@ -316,13 +320,13 @@ class ChatStream:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            if self._lines is not None and not self._lines_ended:
-                await self._abandon_lines()
+            if self._chunks is not None and not self._body_ended:
+                await self._abandon_body()
         finally:
             if self._response is not None:
                 await self._response.aclose()
 
-    async def _abandon_lines(self) -> None:
+    async def _abandon_body(self) -> None:
         """Unwind httpx's reader, which is a stack of async generators that each need closing.
 
         Closing only the outermost would leave the inner ones for the garbage collector (which
@@ -347,7 +351,7 @@ class ChatStream:
             if self._pending:
                 return self._pending.popleft()
             raise StopAsyncIteration
-        if self._lines is None:
+        if self._chunks is None:
             raise RuntimeError("Read a ChatStream inside 'async with client.stream(request) as chunks:'.")
         # httpx bounds each wait for bytes; this bounds the wait for data. A server (or a proxy)
         # that sends only keep-alive comments would otherwise hold the answer open forever.
@@ -357,7 +361,7 @@ class ChatStream:
                 if self._assembler.done:
                     # Read on to the end of the body (nothing follows [DONE]), so the reader ends
                     # on its own rather than being unwound by __aexit__: much cheaper, every call.
-                    while not self._lines_ended and await self._read_line() is not None:
+                    while not self._body_ended and await self._read_line() is not None:
                         pass
                     raise StopAsyncIteration
                 line = await self._read_line()
@@ -374,19 +378,30 @@ class ChatStream:
 
     async def _read_line(self) -> str | None:
         """The next line of the body, or None at its end."""
-        assert self._lines is not None, "only called once the response is open"
+        while not self._lines:
+            if self._body_ended:
+                return None
+            chunk = await self._read_chunk()
+            if chunk is None:
+                return self._splitter.close() or None  # a last line may have no line ending
+            self._lines.extend(self._splitter.feed(chunk))
+        return self._lines.popleft()
+
+    async def _read_chunk(self) -> bytes | None:
+        """The next bytes of the body, or None at its end."""
+        assert self._chunks is not None, "only called once the response is open"
         # Any exception out of the reader, trio.Cancelled included, means it has finished.
         ended = True
         try:
-            line = await anext(self._lines)
+            chunk = await anext(self._chunks)
             ended = False
-            return line
+            return chunk
         except StopAsyncIteration:
             return None
         except httpx.RequestError as exc:
             raise self._client._broken_answer(exc) from exc
         finally:
-            self._lines_ended = ended
+            self._body_ended = ended
 
     def completion(self) -> Completion:
         """The whole answer; RuntimeError until the stream has been read to its end."""

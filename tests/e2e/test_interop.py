@@ -56,6 +56,22 @@ async def test_the_reference_client_sends_gets_and_streams(tmp_path: Path, fake_
             assert "".join(chunks) == "Hello from Keel." and len(chunks) > 1, chunks
 
 
+async def test_the_reference_client_streams_text_holding_unicode_line_separators(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # The client splits an SSE stream into lines as Python's str.splitlines() does, which also
+    # breaks at U+2028, U+2029 and U+0085: sent raw inside a JSON string, each cut a data line.
+    said = "first\u2028second\u2029third\x85fourth"
+    fake_model.default = Reply(text=said)
+    async with running_server(tmp_path / "state", fake_model.base_url) as server:
+        async with sdk_client(server.url, streaming=True) as client:
+            events = [r async for r in client.send_message(ask(f"echo {said}"))]  # type: ignore[attr-defined]
+    assert events[0].task.history[0].parts[0].text == f"echo {said}"
+    assert events[-1].status_update.status.state == a2a.TaskState.TASK_STATE_COMPLETED
+    artifacts = [e.artifact_update for e in events if e.HasField("artifact_update")]
+    assert artifacts[-1].artifact.parts[0].text == said
+
+
 async def test_the_reference_client_cancels_and_subscribes(tmp_path: Path, fake_model: FakeModel) -> None:
     gate = Gate()
     agent = AgentSpec(system_prompt="test", tools=(gate.tool(),))

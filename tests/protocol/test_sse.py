@@ -24,6 +24,16 @@ def test_encode_event_is_one_data_line_and_a_blank_line() -> None:
     assert framed == b'data: {"jsonrpc":"2.0","id":9,"result":{"statusUpdate":{"text":"a\\nb"}}}\n\n'
 
 
+@given(st.text())
+def test_an_event_stays_one_line_for_a_client_that_splits_lines_as_python_does(text: str) -> None:
+    # httpx's aiter_lines() (the a2a-sdk client's reader) breaks where str.splitlines() does:
+    # also at U+2028, U+2029, U+0085 and a few control characters.
+    framed = encode_event({"jsonrpc": "2.0", "id": 1, "result": {"text": text}})
+    lines = framed.decode("utf-8", errors="surrogatepass").splitlines()
+    assert len(lines) == 2 and lines[1] == ""
+    assert json.loads(lines[0].removeprefix("data: "))["result"]["text"] == text
+
+
 def test_encode_comment_is_ignored_by_the_parser() -> None:
     assert encode_comment("keep-alive") == b": keep-alive\n\n"
     assert encode_comment() == b":\n\n"

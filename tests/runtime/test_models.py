@@ -145,6 +145,19 @@ async def test_stream_joins_an_emoji_cut_between_chunks_and_replaces_a_lone_half
     assert completion.message.tool_calls[0].arguments == '{"q": "\U0001f600"}'
 
 
+async def test_stream_keeps_text_and_arguments_holding_unicode_line_separators(fake_model: FakeModel) -> None:
+    # Raw inside a JSON string (a server need not escape them), they are not line breaks in an
+    # event stream, though Python's str.splitlines() takes them for some.
+    said = "one\u2028two\u2029three\x85four\x1cfive"
+    arguments = json.dumps({"q": said}, ensure_ascii=False)
+    fake_model.script = [Reply(text=said, tool_calls=[Call("search", arguments)], chunk_chars=3)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            _, completion = await read_stream(client)
+    assert completion.message.text == said
+    assert completion.message.tool_calls[0].arguments == arguments
+
+
 async def test_complete_replaces_text_that_is_not_unicode(fake_model: FakeModel) -> None:
     fake_model.script = [Reply(text=f"ok {HIGH}{LOW} {LOW}", tool_calls=[Call("search", f'{{"q": "{HIGH}"}}', id="call_a")])]
     with trio.fail_after(DEADLINE_S):
