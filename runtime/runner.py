@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import attrs
@@ -84,6 +84,9 @@ def _unless_settled(outcome: Outcome) -> Outcome:
 
 
 CANCELED = _settle(TaskState.CANCELED, "The task was canceled.")
+# A run's WORKING, unless a CancelTask came first: the run finds out at its next checkpoint, but
+# it may have been inside a read that a cancellation waits for.
+WORKING = _unless_settled(lambda current: with_status(current, TaskState.WORKING))
 
 
 @attrs.frozen
@@ -118,14 +121,19 @@ class Runner:
     # context are taken in the order their tasks were created, as they would have been.
     _in_line: dict[str, tuple[trio.Event | None, trio.Event]] = attrs.field(init=False, factory=dict)
     _stopping: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)  # set while no run is live
+    # Sends past the stopping check whose task row is still being written: the drain waits for
+    # them, and runs they start once it is over are cancelled at once.
+    _sending: _Count = attrs.field(init=False, factory=lambda: _Count())
+    _drained: bool = attrs.field(init=False, default=False)
     _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     async def run(self, *, task_status: trio.TaskStatus[Runner] = trio.TASK_STATUS_IGNORED) -> None:
         """Deal with what a dead process left, serve until ``stop()``, then drain.
 
         Draining gives runs ``drain_timeout_s`` to finish, then cancels them; each writes its
-        terminal state before this returns.
+        terminal state before this returns. A send taken before ``stop()`` whose task is written
+        during the drain is drained with the others; written after it, its run is cancelled.
         """
         try:
             async with trio.open_nursery() as nursery:
@@ -134,11 +142,17 @@ class Runner:
                 task_status.started(self)
                 await self._stopping.wait()
                 with trio.move_on_after(self.config.drain_timeout_s):
-                    while self._live:
-                        await self._idle.wait()
+                    while self._live or self._sending.count:
+                        await (self._idle.wait() if self._live else self._sending.wait_none())
+                self._drained = True
                 for live in list(self._live.values()):
                     live.scope.cancel()
+                # Bounded: a send's task write that has not landed by then is left SUBMITTED, for
+                # the next process to take up (see _start).
+                with trio.move_on_after(self.config.cleanup_timeout_s):
+                    await self._sending.wait_none()
         finally:
+            self._nursery = None
             self._stopped.set()
 
     def stop(self) -> None:
@@ -176,16 +190,17 @@ class Runner:
             id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
             history=(message,), metadata=params.metadata,
         )  # fmt: skip
-        try:
-            record = await self.tasks.create(
-                owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
-                task_json=encode(task), message_id=message.message_id,
-            )  # fmt: skip
-        except store_errors.MessageTaken as taken:
-            return await self._sent_before(owner, params.message, taken.task_id)
-        if context_id != params.message.context_id:  # minted here
-            self._fresh[context_id] = task_id
-        self._start(self._live_task(owner, task, record.version))
+        with self._sending.one():
+            try:
+                record = await self.tasks.create(
+                    owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
+                    task_json=encode(task), message_id=message.message_id,
+                )  # fmt: skip
+            except store_errors.MessageTaken as taken:
+                return await self._sent_before(owner, params.message, taken.task_id)
+            if context_id != params.message.context_id:  # minted here
+                self._fresh[context_id] = task_id
+            self._start(self._live_task(owner, task, record.version))
         return task
 
     async def _sent_before(self, owner: str, message: Message, task_id: str) -> Task:
@@ -393,9 +408,14 @@ class Runner:
             raise UnsupportedOperation("the server is shutting down and takes no new tasks; try another replica or retry shortly")
 
     def _start(self, live: LiveTask) -> None:
-        assert self._nursery is not None, "the runner is not running"
+        if self._nursery is None:  # a send's task written after the runner stopped
+            logger.warning("task %s was taken as the server stopped; the next process to start runs it", live.task.id)
+            return
         self._live[live.task.id] = live
-        self._idle = trio.Event()
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        if self._drained:  # after the drain: recorded CANCELED, like the runs the drain cut
+            live.scope.cancel()
         self._nursery.start_soon(self._execute, live, name=f"task {live.task.id}")
 
     async def _execute(self, live: LiveTask) -> None:
@@ -545,6 +565,30 @@ class Runner:
             await live.persist(self.tasks, _settle(TaskState.FAILED, reason))
 
 
+@attrs.define(eq=False)
+class _Count:
+    """How many of something are under way, and a wait for none to be."""
+
+    count: int = 0
+    _none: trio.Event = attrs.field(init=False, factory=trio.Event)
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        if not self.count and self._none.is_set():
+            self._none = trio.Event()
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if not self.count:
+                self._none.set()
+
+    async def wait_none(self) -> None:
+        while self.count:
+            await self._none.wait()
+
+
 def _answered(turn: list[Transcribed]) -> bool:
     """Whether a turn's transcript ends with the model's answer (an assistant message, no tool calls)."""
     last = turn[-1]
@@ -576,7 +620,7 @@ class _Working:
 
     async def write(self) -> None:
         try:
-            await self.live.persist(self.tasks, lambda current: with_status(current, TaskState.WORKING))
+            await self.live.persist(self.tasks, WORKING)
         except Exception as exc:  # handed to the run, which fails with it (see wait)
             self._error = exc
         finally:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import pytest
@@ -19,7 +20,7 @@ from persistence.memory import MemorySessionStore, MemoryTaskStore
 from persistence.transcript import Message as Transcribed
 from protocol import EndNotStored, Message, Role, SendMessageParams, StreamCut, Task, TaskState, TaskStatus, TaskStatusUpdateEvent, TextPart
 from runtime.agent import AgentSpec
-from runtime.runner import ANONYMOUS, Runner
+from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, decode, encode, new_id, now, with_status
 from tests.runtime.agent_support import Answer, ScriptedModel
 
@@ -251,3 +252,103 @@ async def test_a_cancel_while_the_end_is_tried_again_settles_the_task_for_good(
         await trio.sleep(100)
         assert len(tasks.writes) <= attempts + 1 and runner.statistics().running == 0  # the retries stopped
     assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.CANCELED
+
+
+@attrs.define(eq=False)
+class HeldCreate(MemoryTaskStore):
+    """A task store whose task rows, once ``hold`` is set, are written only when ``release``
+    is: a send that passed the runner's stopping check is still writing its task."""
+
+    hold: bool = False
+    entered: trio.Event = attrs.field(factory=trio.Event)
+    release: trio.Event = attrs.field(factory=trio.Event)
+
+    async def create(self, owner: str, **row: Any) -> TaskRecord:
+        if self.hold:
+            self.entered.set()
+            await self.release.wait()
+        return await super().create(owner, **row)
+
+
+def ask(text: str) -> SendMessageParams:
+    return SendMessageParams(message=Message(message_id=new_id(), role=Role.USER, parts=(TextPart(text),)))
+
+
+async def test_a_drain_ends_when_the_last_run_does_though_a_send_landed_during_it() -> None:
+    tasks = HeldCreate()
+    first_held = trio.Event()
+    runner = Runner(
+        MemorySessionStore(), tasks, ScriptedModel([Answer("one", hold=first_held), Answer("two")]), AgentSpec(),
+        RunnerConfig(drain_timeout_s=60),
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        first = await runner.send(ANONYMOUS, ask("first"))
+        tasks.hold = True
+        nursery.start_soon(runner.send, ANONYMOUS, ask("second"))
+        with trio.fail_after(10):
+            await tasks.entered.wait()
+        runner.stop()  # the drain begins with the second send's row still being written
+        await trio.testing.wait_all_tasks_blocked()
+        tasks.release.set()
+        await trio.testing.wait_all_tasks_blocked()
+        first_held.set()
+        with trio.fail_after(10):  # not the whole drain timeout
+            await runner.wait_stopped()
+    states = sorted(decode(record).status.state.value for record in tasks.tasks.values())
+    assert states == ["completed", "completed"]  # the late send's run was drained too
+
+
+async def test_a_send_that_lands_after_the_drain_is_recorded_canceled_and_the_runner_still_stops(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tasks = HeldCreate()
+    runner = Runner(
+        MemorySessionStore(), tasks, ScriptedModel([Answer("one", hold=trio.Event()), Answer("two", hold=trio.Event())]),
+        AgentSpec(), RunnerConfig(drain_timeout_s=0.5),
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        first = await runner.send(ANONYMOUS, ask("first"))
+        tasks.hold = True
+        late: list[Task] = []
+
+        async def send_late() -> None:
+            late.append(await runner.send(ANONYMOUS, ask("second")))
+
+        nursery.start_soon(send_late)
+        with trio.fail_after(10):
+            await tasks.entered.wait()
+            runner.stop()
+            while decode(await tasks.get(ANONYMOUS, first.id)).status.state is not TaskState.CANCELED:
+                await trio.sleep(0.01)  # the drain is over, and the first run was cut
+        tasks.release.set()
+        with trio.fail_after(10):
+            await runner.wait_stopped()
+    assert runner.statistics().running == 0
+    assert decode(await tasks.get(ANONYMOUS, late[0].id)).status.state is TaskState.CANCELED
+
+
+async def test_a_send_that_lands_after_the_runner_stopped_leaves_its_task_to_the_next_process(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    tasks = HeldCreate()
+    runner = Runner(MemorySessionStore(), tasks, ScriptedModel([]), AgentSpec(), RunnerConfig(drain_timeout_s=0.5))
+    late: list[Task] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        tasks.hold = True
+
+        async def send_late() -> None:
+            late.append(await runner.send(ANONYMOUS, ask("first")))
+
+        nursery.start_soon(send_late)
+        with trio.fail_after(10):
+            await tasks.entered.wait()
+        runner.stop()
+        with trio.fail_after(10):
+            await runner.wait_stopped()
+        tasks.release.set()
+    assert runner.statistics().running == 0
+    assert late[0].status.state is TaskState.SUBMITTED  # the send is answered: its task is durable
+    assert decode(await tasks.get(ANONYMOUS, late[0].id)).status.state is TaskState.SUBMITTED  # adopted at the next start

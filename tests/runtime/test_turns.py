@@ -231,3 +231,73 @@ async def test_unfinished_turns_of_one_context_are_resumed_in_the_order_their_ta
                 assert (await runner.wait_settled(ANONYMOUS, second)).status.state is TaskState.COMPLETED
             stored = [m.text for m in await sessions.messages("ctx-1")]
         assert stored == ["Roll back the deploy.", "Rolled back.", "Then page the owner.", "Paged."], start
+
+
+@attrs.define(eq=False)
+class HeldRead(SqliteSessionStore):
+    """runtime.db whose transcript reads, once ``hold`` is set, wait for ``release`` first, and
+    as a read in the database's thread does: a cancellation waits for it to finish."""
+
+    hold: bool = attrs.field(default=False, kw_only=True)
+    entered: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
+    release: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
+
+    async def messages(self, session_id: str) -> list[Transcribed]:
+        if not self.hold:
+            return await super().messages(session_id)
+        self.entered.set()
+        with trio.CancelScope(shield=True):
+            await self.release.wait()
+            messages = await super().messages(session_id)
+        return messages
+
+
+@attrs.define(eq=False)
+class NotedStates(SqliteTaskStore):
+    """tasks.db that notes the state of every update it takes."""
+
+    states: list[str] = attrs.field(factory=list, kw_only=True)
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+    ) -> TaskRecord:
+        record = await super().update(
+            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent
+        )  # fmt: skip
+        self.states.append(state)
+        return record
+
+
+async def test_a_task_cancelled_while_its_turn_reads_the_transcript_is_never_written_working_after(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # Written WORKING over its CANCELED, a task the client was told is canceled would be taken
+    # for an orphan by the next process if this one died before writing CANCELED again.
+    fake_model.default = Reply(text="Done.")
+    sessions = await HeldRead.open(tmp_path / "runtime.db")
+    tasks = await NotedStates.open(tmp_path / "tasks.db")
+    async with (
+        running(sessions),
+        running(tasks),
+        open_model_client(ModelConfig(base_url=fake_model.base_url, max_retries=0)) as client,
+        trio.open_nursery() as nursery,
+    ):
+        runner: Runner = await nursery.start(Runner(sessions, tasks, client, AgentSpec()).run)
+        first = await runner.send(ANONYMOUS, SendMessageParams(message=question("Roll back the deploy.")))
+        with trio.fail_after(DEADLINE_S):
+            await runner.wait_settled(ANONYMOUS, first.id)
+        sessions.hold = True
+        second = await runner.send(
+            ANONYMOUS, SendMessageParams(message=attrs.evolve(question("Then page the owner."), context_id=first.context_id))
+        )
+        with trio.fail_after(DEADLINE_S):
+            await sessions.entered.wait()  # the second turn reads the transcript
+        tasks.states.clear()
+        assert (await runner.cancel(ANONYMOUS, second.id)).status.state is TaskState.CANCELED
+        sessions.release.set()
+        with trio.fail_after(DEADLINE_S):
+            while runner.statistics().running:
+                await trio.sleep(0.01)
+        runner.stop()
+    assert tasks.states == [TaskState.CANCELED.wire_name(STORED_VERSION)]
+    assert len(fake_model.bodies) == 1  # the first turn's; the canceled one never asked
