@@ -204,6 +204,8 @@ class LiveTask:
         send, receive = trio.open_memory_channel[StreamItem](SUBSCRIBER_BUFFER + 1)
         send.send_nowait(self.task)
         if self.settled.is_set():
+            if not self.end_stored:
+                send.send_nowait(StreamCut(self.task.id, END_NOT_STORED))
             send.close()
             return receive
         if self._answer.tell() or self._answered:  # joining mid-answer: what was streamed before, then the pieces to come

@@ -194,6 +194,20 @@ async def test_a_subscriber_is_told_when_the_tasks_end_could_not_be_stored() -> 
     assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # as last stored
 
 
+async def test_a_subscriber_that_comes_after_the_end_could_not_be_stored_is_told_so_too() -> None:
+    tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        sessions.release.set()
+        with trio.fail_after(10), pytest.raises(EndNotStored):
+            await runner.wait_settled(ANONYMOUS, task.id)
+        async with runner.subscribe(ANONYMOUS, task.id) as events:
+            with trio.fail_after(10):
+                received = [event async for event in events]
+    first, cut = received[0], received[-1]
+    assert isinstance(first, Task) and first.status.state is TaskState.WORKING  # as last stored
+    assert isinstance(cut, StreamCut) and task.id in cut.message and "could not be stored" in cut.message
+
+
 async def test_a_blocking_send_is_told_when_the_tasks_end_could_not_be_stored() -> None:
     tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
     async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
