@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
@@ -98,9 +98,13 @@ class SessionStore(Protocol):
     async def take_steers(self, session_id: str) -> list[str]:
         """Hand out every waiting steer exactly once, oldest first, and forget them."""
 
-    async def save_and_take_steers(self, session_id: str, messages: Sequence[Message]) -> list[str]:
+    async def save_and_take_steers(
+        self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+    ) -> list[str]:
         """``save`` then ``take_steers`` as one step (one transaction where there are any): a
-        save that fails takes nothing, so the steers wait for the next taker."""
+        save that fails takes nothing, so the steers wait for the next taker. With ``placed``,
+        each steer taken is saved too, as the message ``placed`` makes of it, after ``messages``
+        and in the same step: a steer is never taken without being kept."""
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         """Exclusive turn on one session; different sessions never wait on each other."""

@@ -7,7 +7,7 @@ caller holds is aliased by the store.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -95,6 +95,9 @@ class MemorySessionStore(_Closable):
     async def save(self, session_id: str, messages: Sequence[Message]) -> None:
         check_session_id(session_id)
         await self._enter()
+        self._save_now(session_id, messages)
+
+    def _save_now(self, session_id: str, messages: Sequence[Message]) -> None:
         events = self.data.events.get(session_id, [])
         last = events[-1].content if events else None
         contents = plan_save(session_id, messages, stored=len(events), last_stored=last, max_bytes=self.max_event_bytes)
@@ -137,8 +140,15 @@ class MemorySessionStore(_Closable):
         await self._enter()
         return self.data.steers.pop(session_id, [])
 
-    async def save_and_take_steers(self, session_id: str, messages: Sequence[Message]) -> list[str]:
-        await self.save(session_id, messages)  # raises before anything is taken
+    async def save_and_take_steers(
+        self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+    ) -> list[str]:
+        check_session_id(session_id)
+        await self._enter()
+        waiting = self.data.steers.get(session_id, [])
+        if placed is not None and waiting:
+            messages = [*messages, *map(placed, waiting)]
+        self._save_now(session_id, messages)  # raises before anything is taken
         return self.data.steers.pop(session_id, [])
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -45,6 +45,9 @@ class Session:
     async def take_steers(self) -> list[str]:
         return await self.store.take_steers(self.id)
 
-    async def save_and_take_steers(self, messages: Sequence[Message]) -> list[str]:
-        """Save, then take the steers waiting, as one step: a failed save takes nothing."""
-        return await self.store.save_and_take_steers(self.id, messages)
+    async def save_and_take_steers(
+        self, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+    ) -> list[str]:
+        """Save, then take the steers waiting (saved after ``messages`` as ``placed`` makes
+        them, if given), as one step: a failed save takes nothing."""
+        return await self.store.save_and_take_steers(self.id, messages, placed=placed)

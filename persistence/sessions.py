@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Self
@@ -262,10 +262,19 @@ def _add_steer_txn(
 
 
 def _save_and_take_txn(
-    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, messages: Sequence[Message], max_bytes: int
+    conn: sqlite3.Connection,
+    lengths: SessionLengths,
+    session_id: str,
+    messages: Sequence[Message],
+    max_bytes: int,
+    placed: Callable[[str], Message] | None,
 ) -> list[str]:
+    # Taken first, to be saved with the transcript; a save that fails undoes the take with it.
+    taken = _take_steers_txn(conn, lengths, session_id)
+    if placed is not None and taken:
+        messages = [*messages, *map(placed, taken)]
     _save_txn(conn, lengths, session_id, messages, max_bytes)
-    return _take_steers_txn(conn, lengths, session_id)
+    return taken
 
 
 @attrs.define(eq=False)
@@ -324,9 +333,13 @@ class SqliteSessionStore(WriterBacked):
     async def messages(self, session_id: str) -> list[Message]:
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
 
-    async def save_and_take_steers(self, session_id: str, messages: Sequence[Message]) -> list[str]:
+    async def save_and_take_steers(
+        self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+    ) -> list[str]:
         check_session_id(session_id)
-        return await self._writer.submit(_save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes)
+        return await self._writer.submit(
+            _save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes, placed
+        )
 
     async def add_steer(
         self,

@@ -202,6 +202,30 @@ async def a_save_that_takes_the_steers_is_one_step_and_a_failed_one_takes_nothin
 
 
 @session_check
+async def a_save_that_places_the_steers_it_takes_keeps_them_after_the_transcript(backend: Backend) -> None:
+    def placed(text: str) -> Message:
+        return user(f"sent meanwhile: {text}")
+
+    async with backend.sessions() as store:
+        assert await store.save_and_take_steers("s", [user("q")], placed=placed) == []
+        await store.add_steer("s", "look at the lease")
+        await store.add_steer("s", "and the renewals")
+        taken = await store.save_and_take_steers("s", [user("q"), answer("a")], placed=placed)
+        assert taken == ["look at the lease", "and the renewals"]
+        expected = [user("q"), answer("a"), placed("look at the lease"), placed("and the renewals")]
+        assert await store.messages("s") == expected
+        await store.add_steer("s", "use staging")
+        try:  # a save that fails takes nothing and places nothing
+            await store.save_and_take_steers("s", [user("a different question")], placed=placed)
+        except TranscriptConflict:
+            pass
+        else:
+            raise AssertionError("a save that does not extend the transcript was accepted")
+        assert await store.messages("s") == expected
+        assert await store.take_steers("s") == ["use staging"], "the failed save took the steer"
+
+
+@session_check
 async def two_sessions_do_not_see_each_other(backend: Backend) -> None:
     async with backend.sessions() as store:
         await store.save("a", [user("for a")])

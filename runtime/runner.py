@@ -42,7 +42,7 @@ from protocol import (
 )
 from protocol.errors import quoted
 from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, TextDelta
-from runtime.agent.steers import STEER_LABEL
+from runtime.agent.steers import steer_message
 from runtime.models import ModelError
 from runtime.tasks import (
     STORED_VERSION,
@@ -259,7 +259,7 @@ class Runner:
                 "send this message again once the task is working, or send it to that task to steer it"
             )
         text = readable_text(message)
-        self._refuse_oversize(Transcribed(role="user", text=STEER_LABEL + text))
+        self._refuse_oversize(steer_message(text))
         # A message to a working task is a steer: stored for the session, taken exactly once
         # before the run's next model request, wherever that run is. Stored with its message id,
         # so that sent again after its record in the task failed (or its process died between

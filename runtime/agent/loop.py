@@ -23,7 +23,7 @@ from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
 from runtime.agent.errors import AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
-from runtime.agent.steers import STEER_LABEL, SteerBox
+from runtime.agent.steers import SteerBox, steer_message
 from runtime.agent.tools import Tool, call_tool
 from runtime.models import ChatRequest, Completion, Delta, ToolCallDelta, ToolSpec, Usage
 from runtime.models import TextDelta as ModelText
@@ -212,30 +212,28 @@ class AgentRun:
         True if a steer was placed. ``what`` and ``before_model`` say, should the save fail,
         what was being saved and whether a model request was to follow (see SaveFailed).
 
-        Taking a steer from the store removes it, so from the take until the transcript holding
-        it is saved the work is shielded from cancellation (within a bound): a run cancelled
-        meanwhile still stores the steers it took, and the run resumed from the session sends
-        them. Only a crash in that instant loses them.
+        The steers left in the store are taken and saved, placed, in the same transaction as the
+        transcript before them, so none is ever taken and lost. That write is shielded from
+        cancellation (within a bound): once begun it is finished, and the run knows what it took.
         """
         placed = self._place(self._box.take())
         if self.session is None:
             return placed
         with trio.move_on_after(STORE_TIMEOUT_S, shield=True):
             taken = await self._save_and_take_steers(self.session, what, before_model=before_model)
-            if self._place(taken):
-                await self._save(_SAVING)
             return placed or bool(taken)
         # Reached only when the bound ran out.
         raise SaveFailed(self.session.id, f"{what} within {STORE_TIMEOUT_S:g} s", before_model=before_model)
 
     async def _save_and_take_steers(self, session: Session, what: str, *, before_model: bool) -> list[str]:
-        """Save the transcript and take the steers left in the store in one step (one
-        transaction on SQLite): one round trip to the database per step, and a save that fails
-        leaves the steers for the run that resumes."""
+        """Save the transcript, take the steers left in the store and save them placed after it,
+        in one step (one transaction on SQLite): one round trip to the database per step, and a
+        save that fails leaves the steers for the run that resumes."""
         try:
-            taken = await session.save_and_take_steers(self.messages)
+            taken = await session.save_and_take_steers(self.messages, placed=steer_message)
         except Exception as exc:  # any failure, as in _save
             raise SaveFailed(session.id, what, before_model=before_model) from exc
+        self._place(taken)  # as saved
         self._saved = len(self.messages)
         return taken
 
@@ -247,7 +245,7 @@ class AgentRun:
         a step: before the answer being written, the transcript would claim the model had read
         it; between a tool call and its result, the transcript could not be sent.)"""
         for text in steers:
-            self.messages.append(Message(role="user", text=STEER_LABEL + text))
+            self.messages.append(steer_message(text))
             self.on_event(SteerApplied(text, len(self.messages) - 1))
         return bool(steers)
 

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import attrs
 
+from persistence.transcript import Message
 from runtime.agent.errors import RunFinished
 
 STEER_LABEL = "The user sent this while you were working:\n"
+
+
+def steer_message(text: str) -> Message:
+    """A steer as the transcript keeps it: a user message, labelled as sent while the agent worked."""
+    return Message(role="user", text=STEER_LABEL + text)
 
 
 @attrs.define(eq=False)

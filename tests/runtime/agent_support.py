@@ -69,9 +69,11 @@ class CountingSession(Session):
         await super().save(messages)
         self.saves.append((len(messages), self.requests_made()))
 
-    async def save_and_take_steers(self, messages: Sequence[Message]) -> list[str]:
-        taken = await super().save_and_take_steers(messages)
-        self.saves.append((len(messages), self.requests_made()))
+    async def save_and_take_steers(
+        self, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+    ) -> list[str]:
+        taken = await super().save_and_take_steers(messages, placed=placed)
+        self.saves.append((len(messages) + (len(taken) if placed else 0), self.requests_made()))
         return taken
 
 
@@ -86,8 +88,10 @@ class GatedSession(Session):
     async def take_steers(self) -> list[str]:
         return await self._hold(await super().take_steers())
 
-    async def save_and_take_steers(self, messages: Sequence[Message]) -> list[str]:
-        return await self._hold(await super().save_and_take_steers(messages))
+    async def save_and_take_steers(
+        self, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+    ) -> list[str]:
+        return await self._hold(await super().save_and_take_steers(messages, placed=placed))
 
     async def _hold(self, steers: list[str]) -> list[str]:
         if steers:

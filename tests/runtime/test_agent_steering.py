@@ -3,7 +3,9 @@ delivery, finished runs, steers that arrive too late, and continuations."""
 
 from __future__ import annotations
 
+import sqlite3
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from fake_model import Call, FakeModel, Reply
 from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message
-from runtime.agent import STEER_LABEL, AgentEvent, AgentRun, AgentSpec, RunFinished, SteerApplied, StepStarted, TextDelta
+from runtime.agent import STEER_LABEL, AgentEvent, AgentRun, AgentSpec, RunFinished, SaveFailed, SteerApplied, StepStarted, TextDelta
 from runtime.models import open_model_client
 from tests.runtime.agent_support import (
     DEADLINE_S,
@@ -301,3 +303,31 @@ async def test_a_cancelled_run_still_stores_the_steers_it_took(fake_model: FakeM
         async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
             await AgentRun(client, AgentSpec(), stored, session=Session.open(SESSION, store)).run()
     assert sent_messages(fake_model.bodies[0])[-1] == steered("it is the staging vault")
+
+
+async def test_a_steer_whose_save_fails_is_left_for_the_run_that_resumes(fake_model: FakeModel, tmp_path: Path) -> None:
+    # The steers are taken in the transaction that saves them placed: a disk that refuses the
+    # write (here only the steer's, by a trigger) leaves the steer waiting, not taken and lost.
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text="The lease expired.")]
+    with trio.fail_after(DEADLINE_S):
+        await leave_steer(path, STEER)
+        with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute(
+                "CREATE TRIGGER full_disk BEFORE INSERT ON events WHEN NEW.content LIKE '%lease expiry%'"
+                " BEGIN SELECT RAISE(ABORT, 'disk is full'); END"
+            )
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(SaveFailed, match=SESSION):
+                await AgentRun(client, AgentSpec(), question(), session=Session.open(SESSION, store)).run()
+        assert fake_model.bodies == []
+        with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            assert conn.execute("SELECT text FROM steers").fetchall() == [(STEER,)]
+            conn.execute("DROP TRIGGER full_disk")
+        assert await stored_messages(path, SESSION) == []  # the question's save failed with it
+        async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
+            await AgentRun(client, AgentSpec(), question(), session=Session.open(SESSION, store)).run()
+    assert [m for m in sent_messages(fake_model.bodies[0]) if m["role"] == "user"] == [
+        {"role": "user", "content": QUESTION},
+        steered(STEER),
+    ]
