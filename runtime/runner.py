@@ -242,8 +242,9 @@ class Runner:
                 return _check_same(message, taken, current, f"went to task {task_id!r}")
         message = attrs.evolve(message, context_id=task.context_id)
         state = task.status.state
-        ahead = None if state.is_terminal or live is None or live.in_turn else self._turn_holder(task.context_id)
-        if state.is_terminal or ahead is not None:
+        ending = live is not None and live.turn_over and not state.is_terminal  # its end not yet written
+        ahead = None if state.is_terminal or live is None or live.in_turn or ending else self._turn_holder(task.context_id)
+        if state.is_terminal or ending or ahead is not None:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
             if receipt is not None:
                 # Left as a steer while the task worked, but its record in the task failed (a
@@ -252,6 +253,11 @@ class Runner:
                 return await self._add_to_history(owner, task, version, message)
         if state.is_terminal:
             raise TaskIsTerminal(task_id, state.value, "take a message")
+        if ending:
+            raise UnsupportedOperation(
+                f"task {task_id!r} has finished its run, and its end is being recorded; send this message without a "
+                "taskId, in the same contextId, to start the conversation's next task"
+            )
         if ahead is not None:
             # Stored for the conversation, it would steer the run that holds the turn, not this task.
             raise UnsupportedOperation(
@@ -516,6 +522,7 @@ class Runner:
                 yield
             finally:
                 live.in_turn = False
+                live.turn_over = True
 
     def _turn_holder(self, context_id: str) -> LiveTask | None:
         """The task of this process whose run holds the conversation's turn, if one does."""

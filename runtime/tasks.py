@@ -151,6 +151,7 @@ class LiveTask:
     settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk, or could not be written
     end_stored: bool = True  # False once the run's final state could not be written
     in_turn: bool = False  # its run holds its conversation's turn (other tasks of it wait)
+    turn_over: bool = False  # its run has let the turn go: it is ending (its end being written)
     # Each subscriber's receive side -> its send side, so that leaving drops both at once.
     _subscribers: dict[trio.MemoryReceiveChannel[StreamItem], trio.MemorySendChannel[StreamItem]] = attrs.field(
         init=False, factory=dict

@@ -18,7 +18,19 @@ from persistence.api import TaskRecord
 from persistence.errors import StoreClosed
 from persistence.memory import MemorySessionStore, MemoryTaskStore
 from persistence.transcript import Message as Transcribed
-from protocol import EndNotStored, Message, Role, SendMessageParams, StreamCut, Task, TaskState, TaskStatus, TaskStatusUpdateEvent, TextPart
+from protocol import (
+    EndNotStored,
+    Message,
+    Role,
+    SendMessageParams,
+    StreamCut,
+    Task,
+    TaskState,
+    TaskStatus,
+    TaskStatusUpdateEvent,
+    TextPart,
+    UnsupportedOperation,
+)
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, decode, encode, new_id, now, with_status
@@ -206,6 +218,20 @@ async def test_a_subscriber_that_comes_after_the_end_could_not_be_stored_is_told
     first, cut = received[0], received[-1]
     assert isinstance(first, Task) and first.status.state is TaskState.WORKING  # as last stored
     assert isinstance(cut, StreamCut) and task.id in cut.message and "could not be stored" in cut.message
+
+
+async def test_a_message_to_a_task_whose_run_is_over_but_whose_end_is_not_stored_says_so() -> None:
+    tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        sessions.release.set()
+        with trio.fail_after(10), pytest.raises(EndNotStored):
+            await runner.wait_settled(ANONYMOUS, task.id)
+        steer = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("use staging"),), task_id=task.id)
+        with pytest.raises(UnsupportedOperation) as refused:
+            await runner.send(ANONYMOUS, SendMessageParams(message=steer))
+        assert await sessions.take_steers(task.context_id) == []  # not left for the conversation's next turn
+    assert task.id in refused.value.message and "finished its run" in refused.value.message
+    assert "has not started" not in refused.value.message
 
 
 async def test_a_blocking_send_is_told_when_the_tasks_end_could_not_be_stored() -> None:
