@@ -12,6 +12,7 @@ StoreError
 ├── InvalidPage          a page size or page token that cannot be used
 ├── SchemaError          a database file whose schema this build cannot use
 ├── DatabaseFailed       SQLite failed (disk full, I/O error, locked too long); the call wrote nothing
+│   └── DatabaseBusy     opening: another program held the file past the busy timeout
 └── StateError           (persistence.statedir) snapshots, restore and recovery
 """
 
@@ -92,3 +93,16 @@ class DatabaseFailed(StoreError):
     def __init__(self, path: object, exc: BaseException) -> None:
         self.path = path
         super().__init__(f"{path}: the database failed ({type(exc).__name__}: {exc})")
+
+
+class DatabaseBusy(DatabaseFailed):
+    """Opening, another program held the database past the busy timeout: nothing is wrong with
+    the file, and it can be used once that program lets go."""
+
+    def __init__(self, path: object, exc: BaseException) -> None:
+        self.path = path
+        StoreError.__init__(
+            self,
+            f"{path}: another program is holding the database ({exc}); wait until it lets go"
+            " (an open sqlite3 shell, a backup tool), then try again",
+        )

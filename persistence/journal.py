@@ -39,7 +39,7 @@ INCOMPLETE = "Restore journal is incomplete or has unsupported fields."
 _FIELDS = frozenset(
     {"format_version", "transaction_id", "phase", "staging_dir", "quarantine_dir", "old_inventory", "new_inventory"}
 )
-_TXID = re.compile(r"[0-9a-f]{32}")
+TRANSACTION_ID = re.compile(r"[0-9a-f]{32}")
 TEMP_NAME = re.compile(r"\.restore-journal\.([0-9a-f]{32})\.tmp")
 
 Phase = Literal["prepared", "rolling_back", "committed"]
@@ -104,7 +104,7 @@ class Journal:
                 f"Unsupported restore journal format {version!r}; this build supports format {JOURNAL_FORMAT}."
             )
         txid = document["transaction_id"]
-        if not isinstance(txid, str) or not _TXID.fullmatch(txid):
+        if not isinstance(txid, str) or not TRANSACTION_ID.fullmatch(txid):
             raise RecoveryError("Restore journal has an invalid transaction id.")
         phase = _PHASE_BY_NAME.get(document["phase"])
         if phase is None:

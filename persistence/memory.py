@@ -55,7 +55,7 @@ class MemorySessionData:
     """What a MemorySessionStore holds; two stores over one of these behave like two processes."""
 
     events: dict[str, list[Event]] = attrs.field(factory=dict)
-    states: dict[tuple[str, str, str], str] = attrs.field(factory=dict)
+    states: dict[tuple[str, ...], str] = attrs.field(factory=dict)  # by ("session", id), ("app", name), ("user", app, id)
     steers: dict[str, list[str]] = attrs.field(factory=dict)
     steer_receipts: dict[tuple[str, str], SteerReceipt] = attrs.field(factory=dict)  # by (session id, message id)
     locks: TurnLocks = attrs.field(factory=TurnLocks)
@@ -85,7 +85,7 @@ class MemorySessionStore(_Closable):
     async def append(
         self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
     ) -> int:
-        contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes)
+        contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes, author=author)
         await self._enter()
         length = len(self.data.events.get(session_id, ()))
         if at is not None and at != length:
@@ -105,7 +105,7 @@ class MemorySessionStore(_Closable):
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         await self._enter()
-        return list(self.data.events.get(session_id, ())[after + 1 :])
+        return list(self.data.events.get(session_id, ())[max(after + 1, 0) :])
 
     async def length(self, session_id: str) -> int:
         await self._enter()
@@ -154,37 +154,37 @@ class MemorySessionStore(_Closable):
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         return self.data.locks.hold(session_id)
 
-    async def _get(self, key: tuple[str, str, str]) -> dict[str, object]:
+    async def _get(self, key: tuple[str, ...]) -> dict[str, object]:
         await self._enter()
         return dict(json.loads(self.data.states.get(key, "{}")))
 
-    async def _set(self, key: tuple[str, str, str], state: dict[str, object]) -> None:
+    async def _set(self, key: tuple[str, ...], state: dict[str, object]) -> None:
         text = json.dumps(state, sort_keys=True)
         await self._enter()
         self.data.states[key] = text
 
     async def get_state(self, session_id: str) -> dict[str, object]:
-        return await self._get(("", "", session_id))
+        return await self._get(("session", session_id))
 
     async def set_state(self, session_id: str, state: dict[str, object]) -> None:
         check_session_id(session_id)
-        await self._set(("", "", session_id), state)
+        await self._set(("session", session_id), state)
         self.data.events.setdefault(session_id, [])
 
     async def get_app_state(self, app_name: str) -> dict[str, object]:
-        return await self._get((app_name, "", ""))
+        return await self._get(("app", app_name))
 
     async def set_app_state(self, app_name: str, state: dict[str, object]) -> None:
         check_name("app name", app_name)
-        await self._set((app_name, "", ""), state)
+        await self._set(("app", app_name), state)
 
     async def get_user_state(self, app_name: str, user_id: str) -> dict[str, object]:
-        return await self._get((app_name, user_id, ""))
+        return await self._get(("user", app_name, user_id))
 
     async def set_user_state(self, app_name: str, user_id: str, state: dict[str, object]) -> None:
         check_name("app name", app_name)
         check_name("user id", user_id)
-        await self._set((app_name, user_id, ""), state)
+        await self._set(("user", app_name, user_id), state)
 
 
 @attrs.define(eq=False)

@@ -3,7 +3,8 @@
 After any crash the state directory comes back on exactly one generation. A ``committed`` journal
 is rolled forward; a ``prepared`` or ``rolling_back`` one is rolled back to the old generation,
 verified by SHA-256 rather than by name; a journal written but never published is adopted, or
-discarded when it was torn before it could say anything. Anything else (residue the journal does
+discarded when it was torn before it could say anything, as is a restore killed while staging,
+before it wrote a journal at all (nothing live was moved yet). Anything else (residue the journal does
 not own, evidence that matches neither generation, a journal with missing or extra fields) raises
 RecoveryError and leaves the journal and the evidence where they are, for the operator.
 """
@@ -22,6 +23,7 @@ from persistence.journal import (
     QUARANTINE_PREFIX,
     STAGING_PREFIX,
     TEMP_NAME,
+    TRANSACTION_ID,
     Journal,
     UnreadableJournal,
     parse_journal_file,
@@ -172,12 +174,31 @@ def _recover_journal(state_dir: Path, journal: Journal, residue: list[str]) -> R
     return RecoveryOutcome(RecoveryAction.ROLLED_BACK, journal.transaction_id)
 
 
+def _staged_only(residue: list[str]) -> str | None:
+    """The transaction whose staging and quarantine directories are all of ``residue``, if the
+    residue is just that: a restore's before it wrote its journal."""
+    transactions = set()
+    for name in residue:
+        prefix = next((p for p in (STAGING_PREFIX, QUARANTINE_PREFIX) if name.startswith(p)), None)
+        if prefix is None or not TRANSACTION_ID.fullmatch(name.removeprefix(prefix)):
+            return None
+        transactions.add(name.removeprefix(prefix))
+    return transactions.pop() if len(transactions) == 1 else None
+
+
 def _recover_unpublished(state_dir: Path, residue: list[str]) -> RecoveryOutcome:
     """Residue without a durable journal: only a restore that died before publishing its first
     journal leaves that, and it had not yet moved anything live. A complete initial journal with
     complete staging is adopted (then rolled back like any prepared one); a torn one, or one whose
-    staging was already being removed, is discarded."""
+    staging was already being removed, is discarded; so is the staging of a restore that died
+    before it wrote any journal, its quarantine still empty."""
     temps = [match for name in residue if (match := TEMP_NAME.fullmatch(name))]
+    only_staged = _staged_only(residue)
+    if not temps and only_staged is not None and not dir_evidence(state_dir / (QUARANTINE_PREFIX + only_staged)):
+        # Killed while it copied the snapshot in (the longest step of a restore), or while a
+        # restore that failed then was removing that copy: what its own unwinding does, done now.
+        discard_unpublished(state_dir, only_staged)
+        return RecoveryOutcome(RecoveryAction.DISCARDED, only_staged)
     if len(temps) != 1:
         raise RecoveryError(
             f"Restore residue exists in {state_dir} without a durable journal: {', '.join(residue)}; "

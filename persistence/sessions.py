@@ -162,8 +162,10 @@ class SessionLengths:
     def flush(self, conn: sqlite3.Connection) -> None:
         """Insert the events queued so far; before anything reads the events table."""
         if self.rows:
-            conn.executemany(_INSERT_EVENT, self.rows)
-            self.rows.clear()
+            # Taken off the queue first: rows whose insert fails belong to the write that fails
+            # (careful mode undoes it alone), and must not be sent again with the next one's.
+            rows, self.rows = self.rows, []
+            conn.executemany(_INSERT_EVENT, rows)
 
     def finish(self, conn: sqlite3.Connection) -> None:
         self.flush(conn)
@@ -307,7 +309,7 @@ class SqliteSessionStore(WriterBacked):
     async def append(
         self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
     ) -> int:
-        contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes)
+        contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes, author=author)
         return await self._writer.submit(_append_txn, self._lengths, session_id, contents, at, author)
 
     async def save(self, session_id: str, messages: Sequence[Message]) -> None:

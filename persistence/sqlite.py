@@ -20,7 +20,7 @@ import attrs
 import outcome
 import trio
 
-from persistence.errors import DatabaseFailed, SchemaError, StoreClosed
+from persistence.errors import DatabaseBusy, DatabaseFailed, SchemaError, StoreClosed, StoreError
 from persistence.schema import KNOWN_SCHEMAS, SchemaIdentity, read_identity, write_identity_txn
 
 T = TypeVar("T")
@@ -176,7 +176,7 @@ def migrate(path: Path, conn: sqlite3.Connection, schema: Schema) -> None:
     try:
         transaction(conn, txn)
     except sqlite3.DatabaseError as exc:
-        raise SchemaError(path, f"cannot be read as a database ({exc})", "Restore a good snapshot, or move the file aside") from exc
+        raise _unusable(path, exc) from exc
 
 
 def inspect(path: Path, schema: Schema) -> None:
@@ -192,7 +192,19 @@ def inspect(path: Path, schema: Schema) -> None:
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
-        raise SchemaError(path, f"cannot be read as a database ({exc})", "Restore a good snapshot, or move the file aside") from exc
+        raise _unusable(path, exc) from exc
+
+
+def _unusable(path: Path, exc: sqlite3.DatabaseError) -> StoreError:
+    """Why a database could not be opened: the file is damaged (not a database, or corrupt), or
+    only held by another program for now, or SQLite failed otherwise. Only a damaged file is
+    worth replacing."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one
+    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return SchemaError(path, f"cannot be read as a database ({exc})", "Restore a good snapshot, or move the file aside")
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return DatabaseBusy(path, exc)
+    return DatabaseFailed(path, exc)
 
 
 class _Job:

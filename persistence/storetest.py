@@ -83,6 +83,10 @@ async def a_transcript_comes_back_in_the_order_it_went_in(backend: Backend) -> N
         transcript = [user(f"m{i}") if i % 2 == 0 else answer(f"m{i}") for i in range(25)]
         await store.save("s", transcript)
         assert await store.messages("s") == transcript
+        events = await store.events("s")
+        assert [e.seq for e in events] == list(range(25))
+        assert await store.events("s", after=-5) == events  # every event after position -5
+        assert [e.seq for e in await store.events("s", after=20)] == [21, 22, 23, 24]
 
 
 @session_check
@@ -355,6 +359,13 @@ async def bad_content_is_refused_with_its_index_and_nothing_is_written(backend: 
             assert (exc.session_id, exc.index) == ("conv-9-b", 1)
         else:
             raise AssertionError("an oversize message was saved")
+        for author in ("", None, "tool\ud800"):
+            try:
+                await store.append("conv-9", ['{"fine":true}'], author=author)
+            except ValueError as exc:
+                assert "conv-9" in str(exc) and "author" in str(exc)
+            else:
+                raise AssertionError(f"the author {author!r} was accepted")
         assert [e.content for e in await store.events("conv-9")] == ['{"ok":1}']
         assert await store.messages("conv-9-b") == []
 
@@ -445,6 +456,10 @@ async def state_is_kept_per_session_app_and_user(backend: Backend) -> None:
         assert await store.get_user_state("keel", "u2") == {}
         await store.set_state("s", {"step": 4})
         assert await store.get_state("s") == {"step": 4}
+        # The default user id is "": its state is not the app's, nor a session's called "".
+        await store.set_user_state("keel", "", {"tz": "CET"})
+        assert await store.get_app_state("keel") == {"greeting": "hi"}
+        assert await store.get_user_state("keel", "") == {"tz": "CET"}
 
 
 @session_check
@@ -671,7 +686,7 @@ async def a_bad_page_size_or_token_is_a_clear_error(backend: Backend) -> None:
                 raise AssertionError(f"page size {size} was accepted")
         # Not base64; base64 of what is not a token; tokens forged with a time past SQLite's
         # integers, before the epoch, or not a number at all; an id that is not text.
-        forged = ([10**30, "t1"], [-1, "t1"], [True, "t1"], [1.5, "t1"], [1, 2], [1, "t1", 3])
+        forged = ([10**30, "t1"], [-1, "t1"], [True, "t1"], [1.5, "t1"], [1, 2], [1, "t1", 3], [1, "t\ud800"])
         tokens = ["%%%not-a-token", "bm90IGpzb24", *(base64.urlsafe_b64encode(json.dumps(f).encode()).decode() for f in forged)]
         for token in tokens:
             try:

@@ -85,7 +85,7 @@ def decode_page_token(token: str) -> tuple[int, str]:
         updated, task_id = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
         # A token is only ever made here, but a client can send anything: a time that SQLite
         # cannot hold as an integer would fail the query, not name the token.
-        if type(updated) is not int or not 0 <= updated < 2**63 or type(task_id) is not str:
+        if type(updated) is not int or not 0 <= updated < 2**63 or type(task_id) is not str or lone_surrogate(task_id):
             raise ValueError
     except (ValueError, TypeError) as exc:
         raise InvalidPage(

@@ -85,9 +85,15 @@ def check_contents(session_id: str, contents: Sequence[str], *, first_index: int
                 raise InvalidEvent(session_id, index, f"content is not JSON ({exc})") from None
 
 
-def checked_append(session_id: str, contents: Sequence[str], *, max_bytes: int) -> list[str]:
-    """The contents of an append, as a list, once the session id and every content are checked."""
+def checked_append(session_id: str, contents: Sequence[str], *, max_bytes: int, author: str) -> list[str]:
+    """The contents of an append, as a list, once the session id, the author and every content
+    are checked."""
     check_session_id(session_id)
+    if not isinstance(author, str) or not author:
+        raise ValueError(f"the author of an append to session {session_id!r} must be a non-empty string, not {author!r}")
+    reason = lone_surrogate(author)
+    if reason is not None:
+        raise ValueError(f"the author {author!r} of an append to session {session_id!r} {reason}")
     contents = list(contents)
     check_contents(session_id, contents, first_index=0, max_bytes=max_bytes)
     return contents

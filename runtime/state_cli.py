@@ -120,7 +120,7 @@ def _guarded(command: Command) -> Command:
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
-        except (StateError, _UsageError) as exc:
+        except (StateError, _UsageError, OSError) as exc:  # an OSError names its path
             print(f"error: {exc}", file=sys.stderr)
             return 1
 

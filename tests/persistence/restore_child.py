@@ -1,8 +1,9 @@
 """A restore (or a state holder) in its own interpreter, ended at a chosen seam.
 
 ``python -m tests.persistence.restore_child SCENARIO SNAPSHOT STATE_DIR``. The crash scenarios
-replace the restore's rename seam with one that calls ``os._exit(code)`` at the named point, the
-way a ``kill -9`` would stop it: no ``finally``, no unwinding. The pausing scenarios print a line
+replace the restore's rename seam (or, ``while-staging``, its copy of the snapshot in) with one
+that calls ``os._exit(code)`` at the named point, the way a ``kill -9`` would stop it: no
+``finally``, no unwinding. The pausing scenarios print a line
 once they hold what the parent needs, and carry on when their stdin closes.
 """
 
@@ -12,9 +13,10 @@ import os
 import sys
 from pathlib import Path
 
+import persistence.restore
 from persistence.journal import JOURNAL_NAME, QUARANTINE_PREFIX, STAGING_PREFIX
 from persistence.recovery import hold_state_dir
-from persistence.restore import restore_snapshot
+from persistence.restore import FileEvidence, restore_snapshot
 from persistence.statedir import decode_document
 
 # Exit codes the parent asserts; they match the Go suite's (docs 1.9).
@@ -23,6 +25,7 @@ AFTER_COMMITTED_PUBLISHED = 72
 BEFORE_COMMITTED_PUBLISHED = 74
 BEFORE_ROLLING_BACK_PUBLISHED = 75
 BEFORE_FIRST_JOURNAL = 76
+WHILE_STAGING = 77
 
 
 def _journal_phase(temp: Path) -> object:
@@ -68,6 +71,14 @@ def main(scenario: str, snapshot: Path, state_dir: Path) -> int:
             print("held", flush=True)
             sys.stdin.read()
         return 0
+    if scenario == "while-staging":
+        copy = persistence.restore._copy_durably
+
+        def copy_one_then_die(source: Path, target: Path) -> FileEvidence:
+            copy(source, target)
+            os._exit(WHILE_STAGING)
+
+        persistence.restore._copy_durably = copy_one_then_die
     restore_snapshot(snapshot, state_dir, rename=CrashingRename(scenario))
     return 0
 

@@ -111,6 +111,15 @@ def test_crash_before_first_journal_rename_adopts_the_journal_and_keeps_old_gene
     assert_old_generation_back(scene)
 
 
+def test_crash_while_staging_before_any_journal_is_discarded_and_old_generation_kept(scene: Scene) -> None:
+    crash(scene, "while-staging", 77)
+    assert not [name for name in residue(scene.state_dir) if name.endswith(".tmp")]  # no journal yet
+
+    assert recover(scene.state_dir).action is RecoveryAction.DISCARDED
+    assert residue(scene.state_dir) == []
+    assert_old_generation_back(scene)
+
+
 def test_torn_unpublished_journal_is_discarded_and_old_generation_kept(scene: Scene) -> None:
     crash(scene, "before-first-journal", 76)
     (temp,) = (scene.state_dir / name for name in residue(scene.state_dir) if name.endswith(".tmp"))
@@ -292,10 +301,21 @@ def test_recover_refuses_residue_the_journal_does_not_own(tmp_path: Path) -> Non
 
 
 def test_recover_refuses_residue_without_a_journal(tmp_path: Path) -> None:
-    (tmp_path / ".restore-quarantine.0123456789abcdef0123456789abcdef").mkdir()
+    # A quarantine that holds a file, and no journal: something live was moved aside unrecorded.
+    quarantine = tmp_path / ".restore-quarantine.0123456789abcdef0123456789abcdef"
+    quarantine.mkdir()
+    (quarantine / "tasks.db").write_bytes(b"moved aside")
     with pytest.raises(RecoveryError, match="without a durable journal"):
         recover(tmp_path)
     assert residue(tmp_path) == [".restore-quarantine.0123456789abcdef0123456789abcdef"]
+
+
+def test_recover_refuses_the_staging_of_two_restores_without_a_journal(tmp_path: Path) -> None:
+    for txid in ("0" * 32, "1" * 32):
+        (tmp_path / f".restore-staged.{txid}").mkdir()
+    with pytest.raises(RecoveryError, match="without a durable journal"):
+        recover(tmp_path)
+    assert len(residue(tmp_path)) == 2
 
 
 def test_recover_refuses_an_unpublished_journal_whose_quarantine_is_not_empty(scene: Scene) -> None:

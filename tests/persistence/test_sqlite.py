@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from persistence.errors import SchemaError, TranscriptConflict
+from persistence.errors import DatabaseBusy, SchemaError, TranscriptConflict
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
@@ -127,6 +127,35 @@ async def test_group_commit_a_batch_failing_only_as_it_ends_is_run_again_careful
         assert store.batches - before < 10, "the appends were not batched, so this tested nothing"
         assert positions == {f"s{k}": 2 if k == 3 else 1 for k in range(10)}
         assert [await store.length(f"s{k}") for k in range(10)] == [3 if k == 3 else 2 for k in range(10)]
+
+
+async def test_group_commit_an_insert_that_fails_fails_its_own_write_alone(tmp_path: Path) -> None:
+    # SQLite refuses s3's events (a trigger standing in for whatever makes one insert fail): the
+    # batch fails as it ends, and run again write by write, only s3's append fails with it.
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute(
+                "CREATE TRIGGER refuse_s3 BEFORE INSERT ON events WHEN NEW.session_id = 's3'"
+                " BEGIN SELECT RAISE(ABORT, 'refused'); END"
+            )
+        outcomes: dict[str, str] = {}
+
+        async def append(session_id: str) -> None:
+            try:
+                await store.append(session_id, ['{"n":1}'])
+                outcomes[session_id] = "ok"
+            except Exception as exc:
+                outcomes[session_id] = type(exc).__name__
+
+        before = store.batches
+        async with trio.open_nursery() as nursery:
+            for k in range(10):
+                nursery.start_soon(append, f"s{k}")
+        assert store.batches - before < 10, "the appends were not batched, so this tested nothing"
+        assert outcomes.pop("s3") == "DatabaseFailed"
+        assert set(outcomes.values()) == {"ok"}
+        assert [await store.length(f"s{k}") for k in range(10)] == [0 if k == 3 else 1 for k in range(10)]
 
 
 async def test_group_commit_writer_must_be_started_before_use(tmp_path: Path) -> None:
@@ -241,7 +270,8 @@ async def test_a_pool_call_once_queued_finishes_and_the_cancellation_comes_after
                 async def cancel_when_started() -> None:
                     await trio.to_thread.run_sync(started.wait, 10)
                     scope.cancel()
-                    await trio.testing.wait_all_tasks_blocked()
+                    with trio.CancelScope(shield=True):  # this task is in the cancelled scope too
+                        await trio.testing.wait_all_tasks_blocked()
                     release.set()
 
                 nursery.start_soon(cancel_when_started)
@@ -549,3 +579,33 @@ def test_an_sqlite_too_old_for_keel_is_refused_with_the_versions_named() -> None
     check_sqlite_version()  # the one this Python links
     with pytest.raises(RuntimeError, match=r"needs SQLite 3\.35\.0 or newer; .* uses 3\.31\.1"):
         check_sqlite_version((3, 31, 1))
+
+
+async def test_a_database_another_program_holds_is_called_busy_not_damaged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("persistence.sqlite.BUSY_TIMEOUT_MS", 200)  # how long a lock is waited for
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        await store.append("s", ['{"kept":true}'])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_WRITE_LOCK, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        with pytest.raises(DatabaseBusy) as raised:
+            await SqliteSessionStore.open(path)
+    finally:
+        holder.communicate("", timeout=30)  # lets go
+    message = str(raised.value)
+    assert str(path) in message and "another program is holding the database" in message
+    assert "move the file aside" not in message
+    async with open_session_store(path) as store:  # and once it has let go, nothing was wrong
+        assert [e.content for e in await store.events("s")] == ['{"kept":true}']
+
+
+HOLD_THE_WRITE_LOCK = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN EXCLUSIVE")
+print("locked", flush=True)
+sys.stdin.read()
+"""

@@ -178,3 +178,12 @@ def test_state_snapshot_rejects_a_bad_keep(tmp_path: Path, keep: str, message: s
     assert result.returncode == 2
     assert message in result.stderr
     assert not (tmp_path / ".state-backups").exists()
+
+
+def test_a_state_command_the_file_system_refuses_says_why_without_a_traceback(tmp_path: Path) -> None:
+    live_state(tmp_path)
+    (tmp_path / "a-file").write_text("not a directory")
+    result = keel(tmp_path, "state", "snapshot", "--backup-root", str(tmp_path / "a-file" / "backups"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    assert "a-file" in result.stderr and "Not a directory" in result.stderr
