@@ -179,6 +179,8 @@ def _as_int(value: object) -> int | None:
         return None
     if isinstance(value, int):
         return value
+    if isinstance(value, float) and value.is_integer():  # 3.0 or 1e2, as ProtoJSON reads them
+        return int(value)
     if isinstance(value, str) and value.lstrip("-").isdigit() and value.isascii():
         return int(value)
     return None

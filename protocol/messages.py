@@ -25,6 +25,9 @@ class Role(enum.Enum):
 
     @classmethod
     def from_wire(cls, name: object, version: ProtocolVersion, *, field: str) -> Role:
+        # In 1.0, as ProtoJSON allows, also the enum's number in a2a.proto (0 is unspecified).
+        if version is ProtocolVersion.V1_0 and type(name) is int and name in (1, 2):
+            return cls.USER if name == 1 else cls.AGENT
         for role in cls:
             if role.wire_name(version) == name:
                 return role

@@ -153,10 +153,11 @@ class ListTasksParams:
     @classmethod
     def from_json(cls, params: object, version: ProtocolVersion) -> ListTasksParams:
         reader = JsonReader.of(params, "")
-        status = reader.value("status")
+        status = None if not reader.has("status") else TaskState.from_wire(reader.value("status"), version, field="status")
         return cls(
             context_id=reader.opt_string("contextId"),
-            status=None if not reader.has("status") else TaskState.from_wire(status, version, field="status"),
+            # Unspecified (the proto's zero, which has no presence) is no filter, as in the reference.
+            status=None if status is TaskState.UNSPECIFIED else status,
             page_size=reader.opt_int("pageSize", minimum=1, maximum=MAX_PAGE_SIZE),
             page_token=reader.opt_string("pageToken"),
             history_length=reader.opt_int("historyLength", minimum=0),

@@ -56,7 +56,10 @@ class TaskState(enum.Enum):
 
     @classmethod
     def from_wire(cls, name: object, version: ProtocolVersion, *, field: str) -> TaskState:
-        """The state a wire name stands for; raises InvalidParams naming ``field`` otherwise."""
+        """The state a wire name (or in 1.0, as ProtoJSON allows, its enum number) stands
+        for; raises InvalidParams naming ``field`` otherwise."""
+        if version is ProtocolVersion.V1_0 and type(name) is int and name in _NUMBERED:
+            return _NUMBERED[name]
         for state in cls:
             if state.wire_name(version) == name:
                 return state
@@ -64,6 +67,11 @@ class TaskState(enum.Enum):
         raise InvalidParams(field, f"one of {choices}", got=name)
 
 
+# The numbers of ``enum TaskState`` in a2a.proto (1.0).
+_NUMBERED = dict(enumerate((
+    TaskState.UNSPECIFIED, TaskState.SUBMITTED, TaskState.WORKING, TaskState.COMPLETED, TaskState.FAILED,
+    TaskState.CANCELED, TaskState.INPUT_REQUIRED, TaskState.REJECTED, TaskState.AUTH_REQUIRED,
+)))  # fmt: skip
 _TERMINAL = frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELED, TaskState.REJECTED})
 _INTERRUPTED = frozenset({TaskState.INPUT_REQUIRED, TaskState.AUTH_REQUIRED})
 _RUNNING_TARGETS = frozenset({TaskState.WORKING} | _INTERRUPTED | _TERMINAL)

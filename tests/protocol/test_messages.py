@@ -51,6 +51,14 @@ def test_message_role_from_the_other_version_is_rejected() -> None:
     )
 
 
+def test_message_role_may_be_its_enum_number_in_1_0_only() -> None:
+    assert Role.from_wire(1, V1, field="role") is Role.USER  # a2a.proto: ROLE_USER = 1
+    assert Role.from_wire(2, V1, field="role") is Role.AGENT
+    for version, number in ((V1, 0), (V1, True), (V03, 1)):  # unspecified; not a number; 0.3 has none
+        with pytest.raises(InvalidParams, match="'role' must be"):
+            Role.from_wire(number, version, field="role")
+
+
 def test_message_without_parts_says_at_least_one_is_needed() -> None:
     assert "'message.parts' must be a non-empty array, got an empty array" in bad(
         {"messageId": "m", "role": "ROLE_USER", "parts": []}, V1

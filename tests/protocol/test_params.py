@@ -93,6 +93,9 @@ def test_task_query_params_keep_history_length_presence() -> None:
     assert TaskQueryParams.from_json({"id": "t"}, V1).history_length is None
     assert TaskQueryParams.from_json({"id": "t", "historyLength": 0}, V1).history_length == 0
     assert TaskQueryParams.from_json({"id": "t", "historyLength": "3"}, V1).history_length == 3
+    # ProtoJSON reads a number with no fraction as an integer, however it is written.
+    assert TaskQueryParams.from_json({"id": "t", "historyLength": 3.0}, V1).history_length == 3
+    assert TaskQueryParams.from_json({"id": "t", "historyLength": 1e2}, V1).history_length == 100
 
 
 @pytest.mark.parametrize(
@@ -135,6 +138,15 @@ def test_list_tasks_params_decode_every_filter() -> None:
         include_artifacts=True,
     )
     assert decoded.to_json(V1) == params
+
+
+def test_list_tasks_status_may_be_an_enum_number_and_unspecified_is_no_filter() -> None:
+    assert ListTasksParams.from_json({"status": 4}, V1).status is TaskState.FAILED  # a2a.proto's number
+    assert ListTasksParams.from_json({"status": 8}, V1).status is TaskState.AUTH_REQUIRED
+    for unspecified in ("TASK_STATE_UNSPECIFIED", 0):
+        assert ListTasksParams.from_json({"status": unspecified}, V1).status is None
+    assert "'status' must be one of" in complaint(ListTasksParams, {"status": 9})
+    assert "'status' must be one of" in complaint(ListTasksParams, {"status": True})
 
 
 @pytest.mark.parametrize("size", [0, 101, -5])
