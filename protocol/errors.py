@@ -177,9 +177,11 @@ class UnsupportedOperation(ProtocolError):
 
 
 class TaskIsTerminal(UnsupportedOperation):
+    """``state`` in words ("completed"), the same for every protocol version."""
+
     def __init__(self, task_id: str, state: str, action: str) -> None:
         self.task_id = task_id
-        super().__init__(f"task {task_id!r} is in terminal state {state!r} and cannot {action}")
+        super().__init__(f"task {task_id!r} has ended ({state}) and cannot {action}")
 
 
 class InvalidTransition(UnsupportedOperation):

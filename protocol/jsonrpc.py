@@ -90,7 +90,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+def _bounded_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # longer than Python converts (sys.get_int_max_str_digits())
+        raise ValueError(f"the number {text[:20]}... has {len(text)} digits, more than this server reads") from None
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int)
 
 
 def load_json(body: bytes | str) -> object:

@@ -210,7 +210,11 @@ class Runner:
         task = await self.get(owner, task_id)
         where = f"started task {task_id!r}"
         if message.context_id not in (None, "", task.context_id):
-            raise _sent_with_other_content(message, where)
+            raise InvalidParams(
+                "message.messageId",
+                problem=f"{quoted(message.message_id)} was sent before, in context {task.context_id!r}, and {where}; "
+                "a new message needs a new messageId",
+            )
         return _check_same(message, task.history[0], task, where)
 
     def _refuse_oversize(self, message: Transcribed) -> None:

@@ -105,7 +105,7 @@ def readable_text(message: Message) -> str:
             )  # fmt: skip
     text = message_text(message)
     if not text.strip():
-        raise InvalidParams("message.parts", "at least one part with text or data")
+        raise InvalidParams("message.parts", problem="hold nothing to read: every text part is empty or blank; send the question as text")
     return text
 
 

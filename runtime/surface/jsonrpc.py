@@ -99,6 +99,10 @@ class JsonRpcEndpoint:
         if not _is_json(request.content_type):
             error = InvalidRequest(f"the body must be sent as {JSON_TYPE}, not {request.content_type!r}")
             return _refusal(error_response(None, error, response_version(None, header)), status=415)
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity":  # RFC 9110 §15.5.16: an unsupported content coding is 415
+            error = InvalidRequest(f"a body in Content-Encoding {encoding!r} cannot be read here; send it uncompressed")
+            return _refusal(error_response(None, error, response_version(None, header)), status=415)
         try:
             body = await request.get_data(cache=False)
         except RequestEntityTooLarge:
@@ -163,8 +167,9 @@ class JsonRpcEndpoint:
         return (await self.runner.cancel(self.owner, target.id)).to_json(version)
 
     async def _extended_card(self, params: Params, version: ProtocolVersion) -> object:
-        # The card says capabilities.extendedAgentCard is false; the reference answers -32004.
-        raise UnsupportedOperation("this agent has no extended agent card (capabilities.extendedAgentCard is false)")
+        # The card says it has none; the reference answers -32004.
+        field = "capabilities.extendedAgentCard" if version is ProtocolVersion.V1_0 else "supportsAuthenticatedExtendedCard"
+        raise UnsupportedOperation(f"this agent has no extended agent card (its card's {field} is false)")
 
     _unary: ClassVar[dict[Operation, Callable[[JsonRpcEndpoint, Params, ProtocolVersion], Awaitable[object]]]] = {
         Operation.SEND_MESSAGE: _send_message,
@@ -187,7 +192,7 @@ class JsonRpcEndpoint:
             task_id = TaskIdParams.from_json(params, version).id
             task = await self.runner.get(self.owner, task_id)
             if task.status.state.is_terminal:
-                raise TaskIsTerminal(task_id, task.status.state.wire_name(version), "be subscribed to")
+                raise TaskIsTerminal(task_id, task.status.state.value, "be subscribed to")
         return TaskEventStream(
             runner=self.runner, owner=self.owner, task_id=task_id, request_id=request_id, version=version,
             keepalive_s=self.keepalive_s, first=first,

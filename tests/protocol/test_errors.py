@@ -75,7 +75,7 @@ def test_error_messages_name_the_thing_they_are_about() -> None:
     assert str(TaskNotCancelable("abc", "completed")) == "task 'abc' cannot be canceled: it is already completed"
     assert str(MethodNotFound("tasks/list")) == "method 'tasks/list' not found"
     assert str(TaskIsTerminal("abc", "completed", "accept messages")) == (
-        "task 'abc' is in terminal state 'completed' and cannot accept messages"
+        "task 'abc' has ended (completed) and cannot accept messages"
     )
     assert str(ContentTypeNotSupported("image/png", ["text/plain"])) == (
         "content type 'image/png' is not supported; this agent accepts 'text/plain'"

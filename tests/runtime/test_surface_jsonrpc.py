@@ -4,6 +4,7 @@ every error code with the HTTP status the reference server gives it (wire/err_*.
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import logging
 import sqlite3
@@ -215,10 +216,13 @@ async def test_a_message_id_sent_again_with_other_words_is_invalid_params_naming
     keel.model.script = [Reply(text="Done.")]
     question = message("Investigate the vault.", V1)
     task = (await keel.result("SendMessage", {"message": question}))["task"]
-    for changed in ({**question, "parts": [{"text": "Investigate the database."}]}, {**question, "contextId": "another"}):
+    for changed, said in (
+        ({**question, "parts": [{"text": "Investigate the database."}]}, "was sent before with other content,"),
+        ({**question, "contextId": "another"}, f"was sent before, in context {task['contextId']!r},"),  # same words
+    ):
         error = await keel.error("SendMessage", {"message": changed})
         check_error(error, -32602, V1, "INVALID_PARAMS")
-        assert f"was sent before with other content, and started task {task['id']!r}" in error["message"]
+        assert f"{said} and started task {task['id']!r}" in error["message"], error["message"]
         assert "a new message needs a new messageId" in error["message"]
     # What storing drops (an empty metadata) does not make it another message.
     same = {**question, "parts": [{"text": "Investigate the vault.", "metadata": {}}], "contextId": task["contextId"]}
@@ -227,9 +231,11 @@ async def test_a_message_id_sent_again_with_other_words_is_invalid_params_naming
 
 
 async def test_a_message_with_nothing_to_read_is_invalid_params(keel: Served) -> None:
-    error = await keel.error("SendMessage", {"message": message("   ", V1)})
-    check_error(error, -32602, V1, "INVALID_PARAMS")
-    assert "'message.parts' must be at least one part with text or data" in error["message"]
+    for blank in ("   ", ""):
+        error = await keel.error("SendMessage", {"message": message(blank, V1)})
+        check_error(error, -32602, V1, "INVALID_PARAMS")
+        assert "'message.parts' hold nothing to read: every text part is empty or blank" in error["message"]
+        assert "missing" not in error["message"]
     assert keel.model.bodies == []
 
 
@@ -648,7 +654,10 @@ async def test_push_config_methods_are_not_supported(keel: Served, method: str, 
 
 @pytest.mark.parametrize(("method", "version"), [("GetExtendedAgentCard", V1), ("agent/getAuthenticatedExtendedCard", V03)])
 async def test_the_extended_card_is_unsupported(keel: Served, method: str, version: str | None) -> None:
-    check_error(await keel.error(method, {}, version=version), -32004, version, "UNSUPPORTED_OPERATION")
+    error = await keel.error(method, {}, version=version)
+    check_error(error, -32004, version, "UNSUPPORTED_OPERATION")
+    field = "capabilities.extendedAgentCard" if version == V1 else "supportsAuthenticatedExtendedCard"  # the card's own
+    assert f"its card's {field} is false" in error["message"]
 
 
 # -- versions ---------------------------------------------------------------------------------
@@ -896,6 +905,23 @@ async def test_a_body_that_is_not_json_by_content_type_is_refused_with_415(keel:
     response = await post_raw(keel, b'{"jsonrpc":"2.0","id":1,"method":"GetTask"}', "text/plain")
     assert response.status_code == 415
     check_error(response.json()["error"], -32600, V03, "INVALID_REQUEST")
+
+
+async def test_a_compressed_body_is_refused_with_415_saying_so(keel: Served) -> None:
+    body = gzip.compress(b'{"jsonrpc":"2.0","id":1,"method":"GetTask","params":{"id":"x"}}')
+    response = await post_raw(keel, body, "application/json", **{"A2A-Version": "1.0", "Content-Encoding": "gzip"})
+    assert response.status_code == 415
+    error = response.json()["error"]
+    check_error(error, -32600, V1, "INVALID_REQUEST")
+    assert "Content-Encoding 'gzip'" in error["message"] and "uncompressed" in error["message"]
+
+
+async def test_a_number_too_long_to_read_is_a_parse_error_that_names_no_python_setting(keel: Served) -> None:
+    body = b'{"jsonrpc":"2.0","id":1,"method":"GetTask","params":{"id":"x","historyLength":' + b"9" * 5000 + b"}}"
+    error = (await post_raw(keel, body, "application/json", **{"A2A-Version": "1.0"})).json()["error"]
+    assert error["code"] == -32700
+    assert "has 5000 digits, more than this server reads" in error["message"]
+    assert "sys." not in error["message"]
 
 
 async def test_a2a_json_content_type_is_accepted(keel: Served) -> None:
