@@ -322,6 +322,21 @@ async def test_a_streaming_send_sent_again_streams_the_task_it_started_and_ends(
     assert len(keel.model.bodies) == 1
 
 
+async def test_a_v03_streaming_send_sent_again_ends_with_a_final_status_update(keel: Served) -> None:
+    # A 0.3 client reads until final:true, which only a status update carries.
+    keel.model.script = [Reply(text="Once.")]
+    question = message("Why?", V03)
+    task = await keel.result("message/send", {"message": question}, version=V03)
+    async with keel.stream("message/stream", {"message": question}, version=V03) as events:
+        frames = results(await events.rest())
+    assert [(f["kind"], f["status"]["state"], f.get("final")) for f in frames] == [
+        ("task", "completed", None),
+        ("status-update", "completed", True),
+    ]
+    assert frames[0]["id"] == frames[1]["taskId"] == task["id"]
+    assert len(keel.model.bodies) == 1
+
+
 async def test_a_subscriber_that_comes_mid_answer_gets_the_text_so_far_then_the_rest(keel: Served) -> None:
     # The first step streams its text and calls the gate tool, which holds the run; the
     # subscriber joins there, then the second step streams the rest.
