@@ -77,6 +77,21 @@ def _settle(state: TaskState, text: str) -> Outcome:
     return lambda current: with_status(current, state, agent_message(current, text))
 
 
+def _keeping_answer(live: LiveTask, outcome: Outcome) -> Outcome:
+    """``outcome``, keeping as the task's answer artifact what its subscribers were sent of the
+    answer, when it ends before a whole answer is stored (canceled, failed): so what a stream
+    put together and what GetTask says agree, as in the reference."""
+
+    def change(current: Task) -> Task:
+        ended = outcome(current)
+        streamed = live.streamed_answer()
+        if ended is current or ended.artifacts or streamed is None:
+            return ended
+        return attrs.evolve(ended, artifacts=(streamed,))
+
+    return change
+
+
 def _unless_settled(outcome: Outcome) -> Outcome:
     """``outcome``, unless the task is terminal already (then nothing is written): a run's end
     and a CancelTask race, and whichever is written first stands."""
@@ -357,7 +372,7 @@ class Runner:
                 return await self._cancel_stored(owner, task, version)
         live.scope.cancel()
         # Urgent: under load the writer is busy, and this write is what the client waits on.
-        return await live.persist(self.tasks, _unless_settled(CANCELED), urgent=True)
+        return await live.persist(self.tasks, _unless_settled(_keeping_answer(live, CANCELED)), urgent=True)
 
     async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
         """Settle a task no run of this process holds (its process died, or it ended just now)."""
@@ -439,7 +454,7 @@ class Runner:
         finally:
             if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
                 final = CANCELED
-            if await self._store_end(live, final):
+            if await self._store_end(live, _keeping_answer(live, final)):
                 live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]

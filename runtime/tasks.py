@@ -222,6 +222,10 @@ class LiveTask:
         self._answer.write(text)
         self.publish(self._answer_update(text, append=not first))
 
+    def streamed_answer(self) -> Artifact | None:
+        """The answer artifact as the subscribers have it so far, if any of it was sent."""
+        return answer_artifact(self._answer.getvalue()) if self._answer.tell() or self._answered else None
+
     def finish_answer(self, text: str) -> None:
         """Send the whole answer, the last piece of the artifact, replacing what was streamed
         (which holds the text of every step, not only the last one's)."""

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
-from fake_model import FakeModel, Reply
+from fake_model import ErrorReply, FakeModel, Reply
 
 from protocol import (
     Artifact,
@@ -335,6 +335,25 @@ async def test_a_v03_streaming_send_sent_again_ends_with_a_final_status_update(k
     ]
     assert frames[0]["id"] == frames[1]["taskId"] == task["id"]
     assert len(keel.model.bodies) == 1
+
+
+@pytest.mark.parametrize("end", ["canceled", "failed"])
+async def test_a_task_that_ends_mid_answer_keeps_the_answer_its_subscribers_were_sent(keel: Served, end: str) -> None:
+    # As the reference keeps a canceled task's artifact chunks (wire/v1_cancel_running.resp.txt):
+    # what a stream assembled and what GetTask says stay the same.
+    keel.model.script = [Reply(text="Looking at the lease. ", tool_calls=[GATE_CALL]), ErrorReply(status=400)]
+    task = await keel.send("Why?", blocking=False)
+    await keel.gate.wait_entered()
+    if end == "canceled":
+        ended = await keel.result("CancelTask", {"id": task["id"]})
+    else:
+        keel.gate.opened.set()  # the next step's model request is refused: the task fails
+        with trio.fail_after(DEADLINE_S):
+            while (ended := (await keel.result("GetTask", {"id": task["id"]})))["status"]["state"] != "TASK_STATE_FAILED":
+                await trio.sleep(0.01)
+    assert ended["status"]["state"] == f"TASK_STATE_{end.upper()}"
+    assert ended["artifacts"] == [{"artifactId": "answer", "name": "answer", "parts": [{"text": "Looking at the lease. "}]}]
+    assert (await keel.result("GetTask", {"id": task["id"]}))["artifacts"] == ended["artifacts"]
 
 
 async def test_a_subscriber_that_comes_mid_answer_gets_the_text_so_far_then_the_rest(keel: Served) -> None:
