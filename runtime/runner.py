@@ -141,6 +141,7 @@ class Runner:
     # them, and runs they start once it is over are cancelled at once.
     _sending: _Count = attrs.field(init=False, factory=lambda: _Count())
     _drained: bool = attrs.field(init=False, default=False)
+    _abandoned: bool = attrs.field(init=False, default=False)  # see abandon()
     _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     async def run(self, *, task_status: trio.TaskStatus[Runner] = trio.TASK_STATUS_IGNORED) -> None:
@@ -173,6 +174,15 @@ class Runner:
     def stop(self) -> None:
         """Refuse new work and start draining (see ``run``)."""
         self._stopping.set()
+
+    def abandon(self) -> None:
+        """Stop at once, and leave every task as it stands on disk for the next process to take
+        up: for a start that failed after the runner had taken up what a dead process left, so
+        that a server that never served neither finishes those tasks nor settles them."""
+        self._abandoned = True
+        self._stopping.set()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
     def stopping(self) -> bool:
         return self._stopping.is_set()
@@ -452,10 +462,13 @@ class Runner:
             logger.exception("task %s failed inside the runner", live.task.id)
             final = _settle(TaskState.FAILED, "The task failed with an internal error.")
         finally:
-            if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
-                final = CANCELED
-            if await self._store_end(live, _keeping_answer(live, final)):
-                live.close()
+            if final is None and self._abandoned:  # left as stored, for the next process
+                live.close(end_stored=False)
+            else:
+                if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
+                    final = CANCELED
+                if await self._store_end(live, _keeping_answer(live, final)):
+                    live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]
             del self._live[live.task.id]

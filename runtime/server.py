@@ -4,6 +4,8 @@
 2. the state directory, created only now, and held so that no restore runs under us and no
    other server serves it;
 3. preflight, read-only: databases this build cannot use are refused before anything is written;
+   and the listening address is taken (not yet listened on), so that one in use stops the start
+   before a task a dead process left is taken up;
 4. (the dataset step arrives with the incident agent);
 5. the session and task stores, migrated, with their group-commit writers in this nursery;
 6. the runner, which adopts what a dead process left running;
@@ -92,8 +94,13 @@ async def serve(
         serving = await trio.to_thread.run_sync(acquire_serving, config.state_dir)  # the only server
         try:
             await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
-            async with trio.open_nursery() as nursery:
-                await _serve_in(nursery, config, agent, model, shutdown, task_status)
+            http_config = _http_config(config)
+            http_config.take_address()
+            try:
+                async with trio.open_nursery() as nursery:
+                    await _serve_in(nursery, config, http_config, agent, model, shutdown, task_status)
+            finally:
+                http_config.release_address()
         finally:
             release_use(serving)
     finally:
@@ -107,6 +114,7 @@ class InProcessModel(Model, ModelCatalog, Protocol):
 async def _serve_in(
     nursery: trio.Nursery,
     config: Config,
+    http_config: _HttpConfig,
     agent: AgentSpec,
     in_process: InProcessModel | None,
     shutdown: trio.Event,
@@ -117,6 +125,7 @@ async def _serve_in(
     tasks = await SqliteTaskStore.open(state_dir / TASKS_FILE)
     writers: list[trio.CancelScope] = []
     runner: Runner | None = None
+    started = trio.Event()  # the server answers
     try:
         await nursery.start(_outliving_cancellation, sessions, writers)
         await nursery.start(_outliving_cancellation, tasks, writers)
@@ -125,42 +134,12 @@ async def _serve_in(
                 orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s
             )
             runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
-            readiness = Readiness()
-            health = Health(
-                state_dir=state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping
-            )
-            http_done = trio.Event()
-
-            async def drain_then_close_http() -> None:
-                # New tasks are refused from the signal on, and /healthz says unready so that a
-                # load balancer moves away; the rest of the protocol keeps answering while runs
-                # finish (a client can still follow, get or cancel its task). Once every run has
-                # settled, HTTP closes, with a short grace for the requests still in flight.
-                await shutdown.wait()
-                logger.info("shutting down: no new tasks; runs have %g s to finish", config.drain_timeout_s)
-                runner.stop()
-                await runner.wait_stopped()
-
-            async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-                try:
-                    await hypercorn.trio.serve(
-                        create_app(
-                            runner=runner, card_for=agent_card, health=health, readiness=readiness,
-                            config=SurfaceConfig(public_url=config.public_url),
-                        ),  # fmt: skip
-                        _http_config(config),
-                        shutdown_trigger=drain_then_close_http,
-                        task_status=task_status,
-                    )
-                finally:
-                    http_done.set()
-
-            binds = await nursery.start(http)  # step 7
-            readiness.set()
-            task_status.started(Started(binds=tuple(binds)))
-            await http_done.wait()
-            runner.stop()
-            await runner.wait_stopped()
+            try:
+                await _serve_http(nursery, config, http_config, runner, catalog, shutdown, started, task_status)
+            except BaseException:
+                if not started.is_set():  # what the runner took up is left as it was, for the next process
+                    runner.abandon()
+                raise
     finally:
         # Cancelled (a second SIGTERM), the runs are cut short at once, but each still records
         # its end: the stores' writers stay up until the runner has stopped, then close.
@@ -182,6 +161,56 @@ async def _outliving_cancellation(
     with trio.CancelScope(shield=True) as scope:
         scopes.append(scope)
         await store.run(task_status=task_status)
+
+
+async def _serve_http(
+    nursery: trio.Nursery,
+    config: Config,
+    http_config: _HttpConfig,
+    runner: Runner,
+    catalog: ModelCatalog,
+    shutdown: trio.Event,
+    started: trio.Event,
+    task_status: trio.TaskStatus[Started],
+) -> None:
+    """Step 7: the A2A surface on hypercorn, until the drain is over and HTTP has closed."""
+    readiness = Readiness()
+    health = Health(
+        state_dir=config.state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping
+    )
+    http_done = trio.Event()
+
+    async def drain_then_close_http() -> None:
+        # New tasks are refused from the signal on, and /healthz says unready so that a
+        # load balancer moves away; the rest of the protocol keeps answering while runs
+        # finish (a client can still follow, get or cancel its task). Once every run has
+        # settled, HTTP closes, with a short grace for the requests still in flight.
+        await shutdown.wait()
+        logger.info("shutting down: no new tasks; runs have %g s to finish", config.drain_timeout_s)
+        runner.stop()
+        await runner.wait_stopped()
+
+    async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+        try:
+            await hypercorn.trio.serve(
+                create_app(
+                    runner=runner, card_for=agent_card, health=health, readiness=readiness,
+                    config=SurfaceConfig(public_url=config.public_url),
+                ),  # fmt: skip
+                http_config,
+                shutdown_trigger=drain_then_close_http,
+                task_status=task_status,
+            )
+        finally:
+            http_done.set()
+
+    binds = await nursery.start(http)  # step 7
+    readiness.set()
+    started.set()
+    task_status.started(Started(binds=tuple(binds)))
+    await http_done.wait()
+    runner.stop()
+    await runner.wait_stopped()
 
 
 @asynccontextmanager
@@ -220,12 +249,30 @@ class _HttpConfig(hypercorn.Config):
     shut) that long; the blocked write then fails and hypercorn ends the request. A client that
     reads slowly but reads is unaffected, and so is an idle keep-alive connection.
 
-    An address it cannot listen on is an OSError naming the address and what to change.
+    An address it cannot listen on is an OSError naming the address and what to change. It is
+    taken early (``take_address``), before anything is started that a failed start would undo.
     """
+
+    _taken: Sockets | None = None
 
     send_timeout_s: float = 30.0
 
+    def take_address(self) -> None:
+        """Bind the listening sockets now (hypercorn listens on them once it serves)."""
+        self._taken = self._new_sockets()
+
+    def release_address(self) -> None:
+        """Close the sockets taken and never handed to hypercorn (a start that failed)."""
+        sockets, self._taken = self._taken, None
+        if sockets is not None:
+            for sock in (*sockets.secure_sockets, *sockets.insecure_sockets, *sockets.quic_sockets):
+                sock.close()
+
     def create_sockets(self) -> Sockets:
+        sockets, self._taken = self._taken, None
+        return sockets if sockets is not None else self._new_sockets()
+
+    def _new_sockets(self) -> Sockets:
         try:
             sockets = super().create_sockets()
         except OSError as exc:
@@ -241,7 +288,7 @@ class _HttpConfig(hypercorn.Config):
         return sockets
 
 
-def _http_config(config: Config) -> hypercorn.Config:
+def _http_config(config: Config) -> _HttpConfig:
     http = _HttpConfig()
     http.send_timeout_s = config.send_timeout_s
     http.bind = [f"{config.host}:{config.port}"]

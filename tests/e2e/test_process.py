@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -269,6 +270,37 @@ async def test_a_second_sigterm_stops_at_once_and_the_cut_run_is_recorded_cancel
         assert await keel.terminate() == 0  # the second: the drain's 600 s are not waited out
         assert trio.current_time() - start < 10
     assert stored_task(state, task_id)[0] == "TASK_STATE_CANCELED"  # type: ignore[index]
+
+
+async def test_a_restart_that_cannot_listen_leaves_the_task_a_dead_process_left_for_the_next_one(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # The address is checked before the runner takes up what the dead process left: a restart
+    # that cannot serve neither runs those tasks nor settles them.
+    fake_model.script = [Reply(text="a slow answer that never finishes " * 4, chunk_chars=2, gap_s=0.2)]
+    fake_model.default = Reply(text="The resumed answer.")
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url) as keel:
+            sent = await rpc(
+                client, keel.url, "SendMessage",
+                {"message": user_message("Tell me slowly."), "configuration": {"returnImmediately": True}},
+            )  # fmt: skip
+            task_id = sent["result"]["task"]["id"]
+            await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+            assert await keel.kill() == -9
+        asked = len(fake_model.bodies)
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            refused = await run_serve_to_exit(state, fake_model.base_url, "--port", str(taken.getsockname()[1]))
+        assert refused.returncode == 1 and "cannot listen on" in refused.stderr
+        assert "resuming" not in refused.stderr + refused.stdout
+        assert len(fake_model.bodies) == asked  # the model was not asked on its behalf
+        assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
+        async with keel_process(state, fake_model.base_url) as keel:
+            assert await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"]) == "TASK_STATE_COMPLETED"
+            await keel.terminate()
 
 
 async def test_serve_on_a_port_in_use_says_so_and_what_to_do(tmp_path: Path, fake_model: FakeModel) -> None:

@@ -392,3 +392,22 @@ async def test_a_send_that_lands_after_the_runner_stopped_leaves_its_task_to_the
     assert runner.statistics().running == 0
     assert late[0].status.state is TaskState.SUBMITTED  # the send is answered: its task is durable
     assert decode(await tasks.get(ANONYMOUS, late[0].id)).status.state is TaskState.SUBMITTED  # adopted at the next start
+
+
+async def test_an_abandoned_runner_stops_at_once_and_leaves_its_tasks_as_stored() -> None:
+    # What a server whose start failed does with the tasks its runner took up: nothing more.
+    tasks = NotedTasks()
+    runner = Runner(MemorySessionStore(), tasks, ScriptedModel([Answer("held", hold=trio.Event())]), AgentSpec())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, ask("first"))
+        with trio.fail_after(10):
+            while decode(await tasks.get(ANONYMOUS, task.id)).status.state is not TaskState.WORKING:
+                await trio.sleep(0.01)
+        written = list(tasks.writes)
+        runner.abandon()
+        with trio.fail_after(10):
+            await runner.wait_stopped()
+    assert tasks.writes == written  # no CANCELED
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # for the next process
+    assert runner.statistics().running == 0
