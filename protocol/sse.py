@@ -59,39 +59,61 @@ class SseLines:
     split across reads is put back together, and a leading byte order mark is skipped.
 
     Lines end at CRLF, CR or LF, and nowhere else: not at the other characters
-    ``str.splitlines()`` breaks at (U+2028, U+0085...), which a server may send raw inside JSON."""
+    ``str.splitlines()`` breaks at (U+2028, U+0085...), which a server may send raw inside JSON.
+    Each read is searched once, so a long line costs its length, not its length squared; with
+    ``max_line_chars``, a longer line raises LineTooLong rather than growing without end.
+    """
 
+    max_line_chars: int | None = None
     _decoder: codecs.IncrementalDecoder = attrs.field(
         init=False, factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
-    _buffer: str = attrs.field(init=False, default="")
+    _pending: list[str] = attrs.field(init=False, factory=list)  # the start of a line not yet ended
+    _pending_chars: int = attrs.field(init=False, default=0)
     _started: bool = attrs.field(init=False, default=False)
     _skip_lf: bool = attrs.field(init=False, default=False)
 
     def feed(self, chunk: bytes) -> list[str]:
         """The lines ``chunk`` completes, without their line endings."""
-        buffer = self._buffer + self._decoder.decode(chunk)
-        if not self._started and buffer:
-            buffer = buffer.removeprefix("\ufeff")
+        text = self._decoder.decode(chunk)
+        if not text:
+            return []
+        if not self._started:
+            text = text.removeprefix("\ufeff")
             self._started = True
-        if self._skip_lf and buffer:
-            # The previous chunk ended in CR; an LF now is the second half of that CRLF.
-            buffer = buffer.removeprefix("\n")
+        if self._skip_lf:
+            # The previous read ended in CR; an LF now is the second half of that CRLF.
+            text = text.removeprefix("\n")
             self._skip_lf = False
         lines = []
         start = 0
-        for match in _LINE_END.finditer(buffer):
-            lines.append(buffer[start : match.start()])
+        for match in _LINE_END.finditer(text):
+            lines.append(self._take(text[start : match.start()]))
             start = match.end()
-            self._skip_lf = match.group() == "\r" and start == len(buffer)
-        self._buffer = buffer[start:]
+            self._skip_lf = match.group() == "\r" and start == len(text)
+        if start < len(text):
+            self._pending.append(text[start:])
+            self._pending_chars += len(text) - start
+            if self.max_line_chars is not None and self._pending_chars > self.max_line_chars:
+                raise LineTooLong(self.max_line_chars)
         return lines
 
     def close(self) -> str:
         """The stream has ended: what came after its last line ending ("" when nothing did)."""
-        rest = self._buffer + self._decoder.decode(b"", final=True)
-        self._buffer = ""
-        return rest
+        return self._take(self._decoder.decode(b"", final=True))
+
+    def _take(self, end: str) -> str:
+        line = "".join((*self._pending, end)) if self._pending else end
+        self._pending.clear()
+        self._pending_chars = 0
+        if self.max_line_chars is not None and len(line) > self.max_line_chars:
+            raise LineTooLong(self.max_line_chars)
+        return line
+
+
+class LineTooLong(ValueError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"a line of the event stream is longer than {limit} characters")
 
 
 @attrs.define(eq=False)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 import httpx
@@ -24,6 +24,7 @@ import trio
 
 from persistence.transcript import Message
 from protocol import SseLines
+from protocol.sse import LineTooLong
 from runtime.models.assembly import StreamAssembler
 from runtime.models.errors import (
     ModelBadResponse,
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_BASE_URL = "http://127.0.0.1:11434/v1"  # a local Ollama
 DEFAULT_MODEL = "qwen3:4b-instruct"
 _DETAIL_CHARS = 2000  # how much of a server's error body is kept for the logs
+# Far past any answer the agent keeps (a message is at most 1 MiB stored, ~6 MiB JSON-escaped):
+# a server that sends more is not answering, and is not held in memory to find that out.
+MAX_BODY_BYTES = 32 << 20
+MAX_LINE_CHARS = 16 << 20  # one line of a streamed answer: one chunk of it
 
 
 def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
@@ -69,6 +74,11 @@ class ModelConfig:
     backoff_base_s: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     backoff_max_s: float = attrs.field(default=8.0, validator=attrs.validators.ge(0))
     max_connections: int = attrs.field(default=100, validator=attrs.validators.ge(1))
+
+    def url(self, path: str) -> str:
+        """``path`` under the base URL, its query (where some APIs take a version) kept."""
+        parts = urlsplit(self.base_url)
+        return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{path}"))
 
     @property
     def endpoint(self) -> str:
@@ -158,7 +168,7 @@ class ModelClient:
 
     async def _open(self, method: str, path: str, body: dict[str, Any] | None, *, accept: str) -> httpx.Response:
         """Send with retries; returns a 2xx response whose body is unread. The caller closes it."""
-        url = f"{self.config.base_url.rstrip('/')}/{path}"
+        url = self.config.url(path)
         # No bound on the wait for one of the pool's connections: with max_connections calls
         # already open (a slow local model holds each for its whole answer), a call waits its
         # turn instead of failing. Cancelling the caller ends the wait.
@@ -169,8 +179,8 @@ class ModelClient:
         attempt = 0
         while True:
             attempt += 1
-            request = self._http.build_request(method, url, json=body, headers=self._headers(accept), timeout=timeout)
             try:
+                request = self._http.build_request(method, url, json=body, headers=self._headers(accept), timeout=timeout)
                 response = await self._http.send(request, stream=True)
             except httpx.RequestError as exc:
                 failure = self._failure_to_send(exc, attempt)
@@ -220,8 +230,9 @@ class ModelClient:
 
     async def _failure_status(self, response: httpx.Response, attempt: int) -> _Failure:
         model, status = self.config.model, response.status_code
-        try:
-            body = await response.aread()
+        try:  # only the start of the body is kept: only that much is read, and that not forever
+            with trio.move_on_after(self.config.read_timeout_s):
+                body = await _read_at_most(response, 4 * _DETAIL_CHARS)
         except httpx.RequestError as exc:
             body = f"(the error body could not be read: {type(exc).__name__})".encode()
         finally:
@@ -240,17 +251,25 @@ class ModelClient:
         return _Failure(error, retry=False)
 
     async def _read_json(self, response: httpx.Response) -> Any:
+        """A whole JSON body: at most MAX_BODY_BYTES of it, all within ``read_timeout_s`` of
+        the answer starting (a server that trickles it byte by byte is not waited on forever)."""
+        model = self.config.model
         try:
-            raw = await response.aread()
+            with trio.move_on_after(self.config.read_timeout_s) as slow:
+                raw = await _read_at_most(response, MAX_BODY_BYTES + 1)
         except httpx.RequestError as exc:
             raise self._broken_answer(exc) from exc
         finally:
             await response.aclose()
+        if slow.cancelled_caught:
+            raise ModelTimeout(model, "the rest of the answer", self.config.read_timeout_s, detail="the body did not end")
+        if len(raw) > MAX_BODY_BYTES:
+            raise ModelBadResponse(model, f"the body is larger than {MAX_BODY_BYTES} bytes")
         try:
             return json.loads(raw)
-        except ValueError as exc:
-            detail = raw[:_DETAIL_CHARS].decode("utf-8", "replace")
-            raise ModelBadResponse(self.config.model, "the body is not JSON", detail=detail) from exc
+        except (ValueError, RecursionError) as exc:
+            detail = self._scrub(raw[:_DETAIL_CHARS].decode("utf-8", "replace"))
+            raise ModelBadResponse(model, "the body is not JSON", detail=detail) from exc
 
     def _broken_answer(self, exc: httpx.RequestError) -> ModelError:
         """The error for a failure after the server answered 2xx: never retried."""
@@ -267,6 +286,39 @@ class ModelClient:
     def _scrub(self, text: str) -> str:
         # Some servers echo the key they refused; logs should not keep it either.
         return text.replace(self.config.api_key, "[api key]") if self.config.api_key else text
+
+
+async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
+    """The body, or its first ``limit`` bytes or so: what follows is not read."""
+    pieces, size = [], 0
+    chunks = response.aiter_bytes()
+    try:
+        async for piece in chunks:
+            pieces.append(piece)
+            size += len(piece)
+            if size >= limit:
+                break
+    finally:
+        await _unwind(chunks)
+    return b"".join(pieces)
+
+
+async def _unwind(chunks: AsyncIterator[bytes]) -> None:
+    """Leave httpx's reader of a body, a stack of async generators that each need closing.
+
+    Closing only the outermost would leave the inner ones for the garbage collector (which trio
+    rightly warns about). Resumed inside an already-cancelled scope, the reader gets through
+    what is buffered and then meets trio.Cancelled at its next socket read, deep inside; that
+    exception, caught by this scope alone, closes every generator on its way out. It ends
+    without waiting on the network. (A reader already finished just ends.)
+    """
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            async for _ in chunks:
+                pass
+        except httpx.RequestError:
+            pass  # the caller has left this body; how its last bytes failed is no one's concern
 
 
 def _retry_after_s(value: str | None) -> float | None:
@@ -286,7 +338,7 @@ class ChatStream:
     _request: ChatRequest = attrs.field(alias="request")
     _response: httpx.Response | None = attrs.field(init=False, default=None)
     _chunks: AsyncIterator[bytes] | None = attrs.field(init=False, default=None)  # the body, as it arrives
-    _splitter: SseLines = attrs.field(init=False, factory=SseLines)
+    _splitter: SseLines = attrs.field(init=False, factory=lambda: SseLines(max_line_chars=MAX_LINE_CHARS))
     _lines: deque[str] = attrs.field(init=False, factory=deque)  # split from the body, not yet read
     _assembler: StreamAssembler = attrs.field(init=False)
     _pending: deque[Delta] = attrs.field(init=False, factory=deque)
@@ -327,21 +379,9 @@ class ChatStream:
                 await self._response.aclose()
 
     async def _abandon_body(self) -> None:
-        """Unwind httpx's reader, which is a stack of async generators that each need closing.
-
-        Closing only the outermost would leave the inner ones for the garbage collector (which
-        trio rightly warns about). Resumed inside an already-cancelled scope, the reader gets
-        through what is buffered and then meets trio.Cancelled at its next socket read, deep
-        inside; that exception, caught by this scope alone, closes every generator on its way
-        out. It ends without waiting on the network.
-        """
-        with trio.CancelScope() as scope:
-            scope.cancel()
-            try:
-                while await self._read_line() is not None:
-                    pass
-            except ModelError:
-                pass  # the caller has left this stream; how its last bytes failed is no one's concern
+        assert self._chunks is not None, "only called once the body is being read"
+        self._body_ended = True
+        await _unwind(self._chunks)
 
     def __aiter__(self) -> ChatStream:
         return self
@@ -384,7 +424,10 @@ class ChatStream:
             chunk = await self._read_chunk()
             if chunk is None:
                 return self._splitter.close() or None  # a last line may have no line ending
-            self._lines.extend(self._splitter.feed(chunk))
+            try:
+                self._lines.extend(self._splitter.feed(chunk))
+            except LineTooLong as exc:
+                raise ModelBadResponse(self._client.config.model, str(exc)) from None
         return self._lines.popleft()
 
     async def _read_chunk(self) -> bytes | None:

@@ -3,10 +3,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from protocol import SseEvent, SseParser, encode_comment, encode_event
+from protocol import SseEvent, SseLines, SseParser, encode_comment, encode_event
+from protocol.sse import LineTooLong
 from protocol.sse import CONTENT_TYPE, HEADERS
 
 
@@ -91,3 +92,29 @@ def test_parser_round_trips_any_json_text_in_any_chunking(texts: list[str], chun
     responses = [{"jsonrpc": "2.0", "id": i, "result": {"text": text}} for i, text in enumerate(texts)]
     stream = b"".join(encode_event(response) for response in responses)
     assert [json.loads(event.data) for event in parse_all(stream, chunk_size)] == responses
+
+
+@given(
+    lines=st.lists(st.text(alphabet=st.characters(blacklist_characters="\r\n")), max_size=8),
+    endings=st.lists(st.sampled_from(["\n", "\r", "\r\n"]), min_size=8, max_size=8),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+)
+def test_stream_lines_come_out_whole_however_the_bytes_are_cut(lines: list[str], endings: list[str], cuts: list[int]) -> None:
+    # A CR at the end of one read and the LF that starts the next are one line ending.
+    pairs = list(zip(lines, endings))
+    # A CR ending, then an empty line ended by LF, is one CRLF: the lines would not be these.
+    assume(not any(e == "\r" and not nxt and f == "\n" for (_, e), (nxt, f) in zip(pairs, pairs[1:])))
+    raw = "".join(line + ending for line, ending in pairs).encode()
+    bounds = sorted({0, len(raw), *(cut for cut in cuts if cut < len(raw))})
+    splitter = SseLines()
+    got = [line for start, end in zip(bounds, bounds[1:]) for line in splitter.feed(raw[start:end])]
+    assert splitter.close() == ""
+    assert got == [line.removeprefix("\ufeff") if i == 0 else line for i, line in enumerate(lines)]
+
+
+def test_a_line_longer_than_the_limit_is_refused_rather_than_held() -> None:
+    splitter = SseLines(max_line_chars=10)
+    assert splitter.feed(b"data: 1234\n") == ["data: 1234"]  # 10 characters: held, then ended
+    splitter.feed(b"data: ")
+    with pytest.raises(LineTooLong, match="longer than 10 characters"):
+        splitter.feed(b"12345")

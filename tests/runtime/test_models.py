@@ -574,3 +574,62 @@ async def test_fake_model_runs_standalone_and_answers_every_request(nursery: tri
             first = await client.complete(ASK)
             _, second = await read_stream(client)
     assert first.message.text == second.message.text == "standing by"
+
+
+async def test_a_base_url_with_a_query_keeps_it_and_still_reaches_each_path(fake_model: FakeModel) -> None:
+    fake_model.script = [Reply(text="Routed.")]
+    config = attrs.evolve(config_for(fake_model), base_url=f"{fake_model.base_url}?api-version=2024-06-01")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config) as client:
+            assert await client.has_model()
+            _, completion = await read_stream(client)
+    assert completion.message.text == "Routed."
+    assert [(r.method, r.path) for r in fake_model.received] == [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
+
+
+async def serve_raw(nursery: trio.Nursery, answer: bytes, then: bytes = b"", every_s: float = 0.01) -> str:
+    """A misbehaving model server: to any request, ``answer`` (a status line and headers, and
+    maybe a body), then ``then`` over and over, every ``every_s``, until the client leaves."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        try:
+            await stream.send_all(answer)
+            while then:
+                await stream.send_all(then)
+                await trio.sleep(every_s)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    listeners = await nursery.start(trio.serve_tcp, handle, 0)
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1"
+
+
+async def test_an_error_body_without_end_is_read_only_as_far_as_the_log_keeps(nursery: trio.Nursery) -> None:
+    url = await serve_raw(nursery, b"HTTP/1.1 500 Oops\r\ncontent-type: text/html\r\ntransfer-encoding: chunked\r\n\r\n", b"400\r\n" + b"x" * 1024 + b"\r\n")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0)) as client:
+            with pytest.raises(ModelUnavailable) as raised:
+                await read_stream(client)
+    assert raised.value.status == 500 and len(raised.value.detail) < 2100
+
+
+async def test_a_whole_answer_that_trickles_without_end_times_out(nursery: trio.Nursery) -> None:
+    url = await serve_raw(nursery, b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n1\r\n{\r\n", b"1\r\n \r\n")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0, read_timeout_s=0.3)) as client:
+            with pytest.raises(ModelTimeout, match="the rest of the answer"):
+                await read_stream(client)
+
+
+async def test_a_streamed_line_past_the_limit_is_a_bad_response_not_a_growing_buffer(
+    fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("runtime.models.client.MAX_LINE_CHARS", 1000)
+    fake_model.script = [Reply(text="y" * 5000, chunk_chars=5000)]  # one event, one 5 kB line
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=0)) as client:
+            with pytest.raises(ModelBadResponse, match="longer than 1000 characters"):
+                await read_stream(client)
