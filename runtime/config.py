@@ -89,13 +89,14 @@ def _public_url(text: str) -> str:
 
 
 def without_credentials(url: str) -> str:
-    """``url`` as it may be shown: a password in it, and the values of its query (where some
-    APIs take their key), replaced by ``***``."""
+    """``url`` as it may be shown: what it carries before an ``@`` (a user name can be a key
+    too, and a password is one), and the values of its query (where some APIs take their key),
+    replaced by ``***``."""
     try:
         parts = urlsplit(url)
         netloc = parts.netloc
-        if parts.password is not None:
-            netloc = f"{parts.username}:***@{netloc.rpartition('@')[2]}"
+        if "@" in netloc:
+            netloc = f"***@{netloc.rpartition('@')[2]}"
         query = "&".join(f"{name.partition('=')[0]}=***" for name in parts.query.split("&")) if parts.query else ""
         return urlunsplit(parts._replace(netloc=netloc, query=query))
     except ValueError:
@@ -105,6 +106,13 @@ def without_credentials(url: str) -> str:
 def _state_dir(text: str) -> Path:
     """A directory this user can write in, or one it can create (nothing is created here)."""
     path = Path(_non_empty(text))
+    try:
+        return _writable_dir(path)
+    except OSError as exc:  # a parent this user may not search, a name too long...
+        raise ValueError(f"it cannot be reached ({exc.strerror or exc})") from None
+
+
+def _writable_dir(path: Path) -> Path:
     if path.exists() and not path.is_dir():
         raise ValueError("it is a file, not a directory")
     existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
@@ -119,6 +127,17 @@ def _state_dir(text: str) -> Path:
 def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("it must not be empty")
+    return text
+
+
+def _api_key(text: str) -> str:
+    """A key that can be sent as it is in an Authorization header. What is wrong with one is
+    said without showing it."""
+    _non_empty(text)
+    if text != text.strip():
+        raise ValueError("it starts or ends with white space (a file read with its newline?); remove it")
+    if not text.isascii() or not text.isprintable():
+        raise ValueError("it holds a character an HTTP header cannot carry (a control character, or one outside ASCII)")
     return text
 
 
@@ -142,7 +161,7 @@ SETTINGS: tuple[Setting, ...] = (
         "where clients reach this server, for the agent card (behind a proxy); unset: the address a request came in on",
         show=without_credentials,
     ),  # fmt: skip
-    Setting("model_api_key", "AGENT_MODEL_API_KEY", _non_empty, None, "bearer token for the model API", secret=True),
+    Setting("model_api_key", "AGENT_MODEL_API_KEY", _api_key, None, "bearer token for the model API", secret=True),
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
     Setting(

@@ -538,10 +538,11 @@ class Runner:
                 try:
                     result = await run.run()
                 except (AgentError, ModelError) as exc:
+                    said = f"; the server said: {exc.detail}" if isinstance(exc, ModelError) and exc.detail else ""
                     if exc.__cause__ is None:
-                        logger.info("task %s failed: %r", task.id, exc)
+                        logger.info("task %s failed: %r%s", task.id, exc, said)
                     else:  # a store or connection failure: what it said is for the log alone
-                        logger.warning("task %s failed: %r, from %r", task.id, exc, exc.__cause__)
+                        logger.warning("task %s failed: %r, from %r%s", task.id, exc, exc.__cause__, said)
                     return _settle(TaskState.FAILED, f"The task failed: {exc}")
         return self._completed(live, result.output)
 

@@ -103,7 +103,7 @@ class StreamAssembler:
             return [] if self._finish_reason else self._finish(inferred_finish_reason(self._tool_calls()))
         try:
             chunk = json.loads(data)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past what Python reads
             raise ModelBadResponse(self.model, "a stream event is not JSON", detail=data[:2000]) from exc
         return self._on_chunk(chunk)
 
@@ -114,7 +114,10 @@ class StreamAssembler:
             detail = json.dumps(chunk["error"], ensure_ascii=False)[:2000]
             raise ModelBadResponse(self.model, "the server reported an error in the middle of the answer", detail=detail)
         deltas: list[Delta] = []
-        for choice in chunk.get("choices") or ():
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise ModelBadResponse(self.model, "a chunk's choices are not a list")
+        for choice in choices:
             # One answer is asked for (n=1); a server that sends more choices is ignored past the first.
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 deltas.extend(self._on_choice(choice))
@@ -133,7 +136,12 @@ class StreamAssembler:
         if text:
             self._text.append(text)
             deltas.append(TextDelta(text))
-        for position, call in enumerate(delta.get("tool_calls") or ()):
+        calls = delta.get("tool_calls") or []
+        if not isinstance(calls, list):
+            raise ModelBadResponse(self.model, "a chunk's tool calls are not a list")
+        if calls and self._finish_reason:
+            raise ModelBadResponse(self.model, "a tool call fragment came after the model had finished")
+        for position, call in enumerate(calls):
             deltas.append(self._on_tool_call(position, call))
         reason = optional_str(choice.get("finish_reason"), model=self.model, what="the finish reason")
         if reason and not self._finish_reason:
@@ -143,14 +151,13 @@ class StreamAssembler:
     def _on_tool_call(self, position: int, call: object) -> ToolCallDelta:
         if not isinstance(call, dict):
             raise ModelBadResponse(self.model, "a tool call fragment is not a JSON object")
-        # A server that leaves out the index sends whole calls, one per position.
-        index = call.get("index", position)
+        call_id = optional_str(call.get("id"), model=self.model, what="the id of a tool call")
+        index = call["index"] if "index" in call else self._unindexed(call_id, position)
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ModelBadResponse(self.model, "a tool call fragment has an index that is not a count")
         function = call.get("function") or {}
         if not isinstance(function, dict):
             raise ModelBadResponse(self.model, f"tool call {index} is not a function call")
-        call_id = optional_str(call.get("id"), model=self.model, what=f"the id of tool call {index}")
         name = optional_str(function.get("name"), model=self.model, what=f"the name of tool call {index}")
         fragment = arguments_text(function.get("arguments"), model=self.model, index=index)
         parts = self._calls.setdefault(index, _CallParts())
@@ -162,11 +169,22 @@ class StreamAssembler:
             parts.arguments.append(fragment)
         return ToolCallDelta(index=index, id=call_id, name=name, arguments=fragment)
 
+    def _unindexed(self, call_id: str, position: int) -> int:
+        """Where a fragment that gives no index goes (a server that sends whole calls): one with
+        an id not seen yet opens the next call, as does any after the first of its chunk; one
+        with a known id, or the first of its chunk with none, goes on with that call."""
+        if call_id:
+            known = next((index for index, parts in self._calls.items() if parts.id == call_id), None)
+            if known is not None:
+                return known
+        elif position == 0 and self._calls:
+            return max(self._calls)
+        return max(self._calls, default=-1) + 1
+
     def _finish(self, reason: str) -> list[Delta]:
         """Called once: the assembled calls, then Finish. A finish_reason is never empty after it."""
         self._finish_reason = reason
-        calls = self._tool_calls()
-        for call in calls:
-            if not call.name:
-                raise ModelBadResponse(self.model, f"tool call {call.id!r} has no name")
-        return [*calls, Finish(reason)]
+        for index, parts in sorted(self._calls.items()):
+            if not parts.name:  # named by its place, not by its id: the id is the server's words
+                raise ModelBadResponse(self.model, f"tool call {index} has no name")
+        return [*self._tool_calls(), Finish(reason)]

@@ -360,7 +360,11 @@ class ChatStream:
         if self._response.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
             # A server (or a proxy in front of it) that does not stream answers in one body.
             data = await self._client._read_json(self._response)
-            self._whole = parse_completion(data, model=self._client.config.model)
+            try:
+                self._whole = parse_completion(data, model=self._client.config.model)
+            except ModelError as exc:
+                exc.detail = self._client._scrub(exc.detail)
+                raise
             self._pending.extend(_deltas(self._whole))
             return self
         # Not httpx's aiter_lines(): it breaks lines where str.splitlines() does, inside JSON too.
@@ -405,12 +409,16 @@ class ChatStream:
                         pass
                     raise StopAsyncIteration
                 line = await self._read_line()
-                if line is None:
-                    self._pending.extend(self._assembler.end_of_stream())
-                    continue
-                if line.startswith("data"):
-                    self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
-                self._pending.extend(self._assembler.feed_line(line))
+                try:
+                    if line is None:
+                        self._pending.extend(self._assembler.end_of_stream())
+                        continue
+                    if line.startswith("data"):
+                        self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
+                    self._pending.extend(self._assembler.feed_line(line))
+                except ModelError as exc:  # what the server said may repeat the key it was sent
+                    exc.detail = self._client._scrub(exc.detail)
+                    raise
             return self._pending.popleft()
         if self._assembler.done:  # the answer was whole; only what followed [DONE] was cut off
             raise StopAsyncIteration

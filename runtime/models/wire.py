@@ -80,10 +80,10 @@ def parse_completion(data: object, *, model: str) -> Completion:
     if not isinstance(message, dict):
         raise ModelBadResponse(model, "the first choice has no message")
     text = unicode_text(optional_str(message.get("content"), model=model, what="the message content"))
-    calls = tuple(
-        tool_call_from_wire(index, call, model=model)
-        for index, call in enumerate(message.get("tool_calls") or ())
-    )
+    wire_calls = message.get("tool_calls") or []
+    if not isinstance(wire_calls, list):
+        raise ModelBadResponse(model, "the message's tool calls are not a list")
+    calls = tuple(tool_call_from_wire(index, call, model=model) for index, call in enumerate(wire_calls))
     reason = optional_str(choices[0].get("finish_reason"), model=model, what="the finish reason")
     return Completion(
         message=Message(role="assistant", text=text, tool_calls=calls),

@@ -145,7 +145,8 @@ class Health:
         try:
             present = await self.model.has_model()
         except Exception as exc:  # ModelError; its detail may hold provider text, so log only
-            logger.warning("readiness: the model catalog could not be read: %r", exc)
+            said = getattr(exc, "detail", "")
+            logger.warning("readiness: the model catalog could not be read: %r%s", exc, f"; {said}" if said else "")
             return f"model server unavailable: its catalog could not be read to find {self.model.model!r} ({type(exc).__name__})"
         return None if present else f"model unavailable: {self.model.model!r} is absent from the model server's catalog"
 

@@ -82,7 +82,8 @@ def test_check_command_accepts_a_good_configuration_without_echoing_secrets() ->
     ("url", "shown"),
     [
         ("http://127.0.0.1:11434/v1", "http://127.0.0.1:11434/v1"),
-        ("https://keel:s3cret@models.example/v1", "https://keel:***@models.example/v1"),
+        ("https://keel:s3cret@models.example/v1", "https://***@models.example/v1"),
+        ("https://sk-live-abc123@models.example/v1", "https://***@models.example/v1"),  # a key as the user name
         ("https://models.example/v1?key=s3cret&region=eu", "https://models.example/v1?key=***&region=***"),
         ("http://[::1]:11434/v1", "http://[::1]:11434/v1"),
     ],
@@ -94,10 +95,10 @@ def test_a_model_url_is_shown_without_its_credentials(url: str, shown: str) -> N
 def test_check_command_shows_the_model_url_without_its_password_or_query() -> None:
     result = run_cli("check", env={"AGENT_MODEL_BASE_URL": "https://keel:pw-secret-3@models.example/v1?key=q-secret-4"})
     assert result.returncode == 0, result.stderr
-    assert "AGENT_MODEL_BASE_URL=https://keel:***@models.example/v1?key=***" in result.stdout
+    assert "AGENT_MODEL_BASE_URL=https://***@models.example/v1?key=***" in result.stdout
     result = run_cli("check", env={"AGENT_MODEL_BASE_URL": "https://keel:pw-secret-5@models.example:99999/v1"})
     assert result.returncode == 1
-    assert "AGENT_MODEL_BASE_URL='https://keel:***@models.example:99999/v1' is not valid: its port" in result.stderr
+    assert "AGENT_MODEL_BASE_URL='https://***@models.example:99999/v1' is not valid: its port" in result.stderr
     assert "secret" not in result.stdout + result.stderr
 
 
@@ -124,3 +125,27 @@ def test_a_public_url_is_an_address_clients_can_reach() -> None:
             Config.load({"AGENT_PUBLIC_URL": bad})
         assert "no credentials or query, like https://agents.example/keel" in str(caught.value)
         assert "pw" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        ("sk-from-a-file\n", "starts or ends with white space"),
+        (" sk-pasted", "starts or ends with white space"),
+        ("sk-s\u00e9cret", "a character an HTTP header cannot carry"),
+        ("sk-tab\there", "a character an HTTP header cannot carry"),
+    ],
+)
+def test_an_api_key_no_http_header_can_carry_is_refused_without_showing_it(key: str, said: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MODEL_API_KEY": key})
+    assert caught.value.problems == [f"AGENT_MODEL_API_KEY=(hidden) is not valid: {caught.value.problems[0].split(': ', 1)[1]}"]
+    assert said in str(caught.value) and key.strip() not in str(caught.value)
+
+
+def test_a_state_directory_that_cannot_be_reached_is_a_problem_with_the_others(tmp_path: Path) -> None:
+    unreachable = tmp_path / ("x" * 300) / "state"  # a name longer than the file system takes
+    result = run_cli("check", env={"AGENT_STATE_DIR": str(unreachable), "AGENT_PORT": "99999"})
+    assert result.returncode == 1, result.stderr
+    assert f"AGENT_STATE_DIR='{unreachable}' is not valid: it cannot be reached (File name too long)" in result.stderr
+    assert "AGENT_PORT='99999'" in result.stderr and "Traceback" not in result.stderr

@@ -633,3 +633,66 @@ async def test_a_streamed_line_past_the_limit_is_a_bad_response_not_a_growing_bu
         async with open_model_client(config_for(fake_model, max_retries=0)) as client:
             with pytest.raises(ModelBadResponse, match="longer than 1000 characters"):
                 await read_stream(client)
+
+
+def assembled(*events: object) -> StreamAssembler:
+    assembler = StreamAssembler("m")
+    for line in sse(*events):
+        assembler.feed_line(line)
+    return assembler
+
+
+def delta(**fields: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+
+FINISHED = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+
+
+def test_whole_calls_without_an_index_sent_one_a_chunk_stay_apart() -> None:
+    def whole(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        return delta(tool_calls=[{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}])
+
+    done = assembled(whole("a", "f", '{"x":1}'), whole("b", "g", '{"y":2}'), FINISHED, "[DONE]")
+    assert done.completion().message.tool_calls == (ToolCall("a", "f", '{"x":1}'), ToolCall("b", "g", '{"y":2}'))
+    # With no id either, the first of a chunk goes on with the last call, the others open new ones.
+    two = delta(tool_calls=[{"function": {"name": "f", "arguments": "{"}}, {"function": {"name": "g", "arguments": "{}"}}])
+    rest = delta(tool_calls=[{"function": {"arguments": "}"}}])
+    calls = assembled(two, rest, FINISHED, "[DONE]").completion().message.tool_calls
+    assert [(call.name, call.arguments) for call in calls] == [("f", "{"), ("g", "{}}")]
+
+
+@pytest.mark.parametrize(
+    ("event", "said"),
+    [
+        ({"choices": 5}, "choices are not a list"),
+        (delta(tool_calls=7), "tool calls are not a list"),
+        ("[" * 100_000, "not JSON"),  # deeper than Python's JSON reader goes
+    ],
+)
+def test_a_chunk_of_the_wrong_shape_is_a_bad_response(event: object, said: str) -> None:
+    with pytest.raises(ModelBadResponse, match=said):
+        assembled(event)
+
+
+def test_a_nameless_tool_call_is_named_by_its_place_not_by_the_servers_id() -> None:
+    nameless = delta(tool_calls=[{"index": 0, "id": "see https://internal.example/secret", "function": {"arguments": "{}"}}])
+    with pytest.raises(ModelBadResponse) as raised:
+        assembled(nameless, FINISHED)
+    assert "tool call 0 has no name" in str(raised.value) and "internal.example" not in str(raised.value)
+
+
+def test_a_tool_call_fragment_after_the_finish_is_a_bad_response() -> None:
+    with pytest.raises(ModelBadResponse, match="after the model had finished"):
+        assembled(tool_fragment(0, "{", name="f"), FINISHED, tool_fragment(0, "}"))
+
+
+async def test_what_a_server_says_mid_stream_is_kept_for_the_log_without_the_key(nursery: trio.Nursery) -> None:
+    said = b'data: {"error": {"message": "key sk-secret-1 is over its quota"}}\n\n'
+    url = await serve_raw(nursery, b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + said)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, api_key="sk-secret-1", max_retries=0)) as client:
+            with pytest.raises(ModelBadResponse) as raised:
+                await read_stream(client)
+    assert "over its quota" in raised.value.detail and "sk-secret-1" not in raised.value.detail
+    assert "quota" not in str(raised.value)
