@@ -180,7 +180,8 @@ def migrate(path: Path, conn: sqlite3.Connection, schema: Schema) -> None:
 
 
 def inspect(path: Path, schema: Schema) -> None:
-    """Read-only preflight: raise SchemaError if the file exists and this build cannot use it."""
+    """Read-only preflight: raise SchemaError if the file exists and this build cannot use it
+    (DatabaseBusy or DatabaseFailed if it cannot be read for now)."""
     if not path.exists():
         return
     try:
@@ -255,7 +256,8 @@ class SqlitePool:
 
     @classmethod
     async def open(cls, path: Path, schema: Schema, *, synchronous: str = "FULL") -> SqlitePool:
-        """Open (creating if needed) and migrate. Raises SchemaError naming the file and the fix."""
+        """Open (creating if needed) and migrate. Raises SchemaError naming the file and the fix
+        (DatabaseBusy or DatabaseFailed when the file cannot be used for now)."""
 
         def open_sync() -> sqlite3.Connection:
             inspect(path, schema)  # refuse before anything (even the switch to WAL) touches the file

@@ -167,6 +167,7 @@ class Runner:
                 # the next process to take up (see _start).
                 with trio.move_on_after(self.config.cleanup_timeout_s):
                     await self._sending.wait_none()
+                self._nursery = None  # here, before the nursery closes to new tasks: see _start
         finally:
             self._nursery = None
             self._stopped.set()
@@ -381,6 +382,9 @@ class Runner:
             if live is None:
                 return await self._cancel_stored(owner, task, version)
         live.scope.cancel()
+        # What the run streams until it next checkpoints is sent to no one: the answer kept with
+        # CANCELED is what the subscribers have.
+        live.freeze_answer()
         # Urgent: under load the writer is busy, and this write is what the client waits on.
         return await live.persist(self.tasks, _unless_settled(_keeping_answer(live, CANCELED)), urgent=True)
 

@@ -160,6 +160,7 @@ class LiveTask:
     # The answer's text streamed so far (one buffer: a long answer comes in many tiny pieces).
     _answer: io.StringIO = attrs.field(init=False, factory=io.StringIO)
     _answered: bool = attrs.field(init=False, default=False)  # and that is the whole answer
+    _answer_frozen: bool = attrs.field(init=False, default=False)  # see freeze_answer
 
     async def persist(self, tasks: TaskStore, change: Callable[[Task], Task], *, urgent: bool = False) -> Task:
         """Apply ``change`` to the newest task, write the result (version-checked), then tell the
@@ -218,9 +219,15 @@ class LiveTask:
         """Send the subscribers the next piece of the answer as the model writes it. Each piece
         is appended to the answer artifact; a subscriber that comes later gets all the text so
         far in one event (replacing the artifact), right after the task."""
+        if self._answer_frozen:
+            return
         first = not self._answer.tell()
         self._answer.write(text)
         self.publish(self._answer_update(text, append=not first))
+
+    def freeze_answer(self) -> None:
+        """The answer stops here (a cancel): what the run says after this is sent to no one."""
+        self._answer_frozen = True
 
     def streamed_answer(self) -> Artifact | None:
         """The answer artifact as the subscribers have it so far, if any of it was sent."""
@@ -229,6 +236,8 @@ class LiveTask:
     def finish_answer(self, text: str) -> None:
         """Send the whole answer, the last piece of the artifact, replacing what was streamed
         (which holds the text of every step, not only the last one's)."""
+        if self._answer_frozen:
+            return
         self._answer = io.StringIO()
         self._answer.write(text)
         self._answered = True

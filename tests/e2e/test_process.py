@@ -74,24 +74,30 @@ async def test_a_new_task_in_the_same_context_after_a_restart_continues_the_conv
     assert seen == ["Capital of France?", "Paris.", "And its population?"]
 
 
-async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(tmp_path: Path, fake_model: FakeModel) -> None:
-    # The first answer streams slowly, so the process can be killed in the middle of it.
+async def killed_mid_answer(client: httpx.AsyncClient, state: Path, fake_model: FakeModel) -> str:
+    """A server killed (SIGKILL) while the model streams a slow answer; the id of the task it
+    leaves WORKING. The model's next answers are "The resumed answer."."""
     fake_model.script = [Reply(text="a slow answer that never finishes " * 4, chunk_chars=2, gap_s=0.2)]
     fake_model.default = Reply(text="The resumed answer.")
+    async with keel_process(state, fake_model.base_url) as keel:
+        sent = await rpc(
+            client, keel.url, "SendMessage",
+            {"message": user_message("Tell me slowly."), "configuration": {"returnImmediately": True}},
+        )  # fmt: skip
+        task_id: str = sent["result"]["task"]["id"]
+        await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+        with trio.fail_after(30):
+            while not fake_model.bodies:
+                await trio.sleep(0.02)
+        assert await keel.kill() == -9
+    assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
+    return task_id
+
+
+async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(tmp_path: Path, fake_model: FakeModel) -> None:
     state = tmp_path / "state"
     async with httpx.AsyncClient(timeout=30) as client:
-        async with keel_process(state, fake_model.base_url) as keel:
-            sent = await rpc(
-                client, keel.url, "SendMessage",
-                {"message": user_message("Tell me slowly."), "configuration": {"returnImmediately": True}},
-            )  # fmt: skip
-            task_id = sent["result"]["task"]["id"]
-            await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
-            with trio.fail_after(30):
-                while not fake_model.bodies:
-                    await trio.sleep(0.02)
-            assert await keel.kill() == -9
-        assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
+        task_id = await killed_mid_answer(client, state, fake_model)
         async with keel_process(state, fake_model.base_url) as keel:
             assert await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"]) == "TASK_STATE_COMPLETED"
             got = await rpc(client, keel.url, "GetTask", {"id": task_id})
@@ -277,18 +283,9 @@ async def test_a_restart_that_cannot_listen_leaves_the_task_a_dead_process_left_
 ) -> None:
     # The address is checked before the runner takes up what the dead process left: a restart
     # that cannot serve neither runs those tasks nor settles them.
-    fake_model.script = [Reply(text="a slow answer that never finishes " * 4, chunk_chars=2, gap_s=0.2)]
-    fake_model.default = Reply(text="The resumed answer.")
     state = tmp_path / "state"
     async with httpx.AsyncClient(timeout=30) as client:
-        async with keel_process(state, fake_model.base_url) as keel:
-            sent = await rpc(
-                client, keel.url, "SendMessage",
-                {"message": user_message("Tell me slowly."), "configuration": {"returnImmediately": True}},
-            )  # fmt: skip
-            task_id = sent["result"]["task"]["id"]
-            await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
-            assert await keel.kill() == -9
+        task_id = await killed_mid_answer(client, state, fake_model)
         asked = len(fake_model.bodies)
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))

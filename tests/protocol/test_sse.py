@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from protocol import SseEvent, SseLines, SseParser, encode_comment, encode_event
@@ -26,6 +26,7 @@ def test_encode_event_is_one_data_line_and_a_blank_line() -> None:
 
 
 @given(st.text())
+@example("first\u2028second\u2029third\x85fourth")  # what st.text() rarely draws
 def test_an_event_stays_one_line_for_a_client_that_splits_lines_as_python_does(text: str) -> None:
     # httpx's aiter_lines() (the a2a-sdk client's reader) breaks where str.splitlines() does:
     # also at U+2028, U+2029, U+0085 and a few control characters.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -17,6 +18,7 @@ import trio.testing
 from persistence.api import TaskRecord
 from persistence.errors import StoreClosed
 from persistence.memory import MemorySessionStore, MemoryTaskStore
+from persistence.tasks import open_task_store
 from persistence.transcript import Message as Transcribed
 from protocol import (
     EndNotStored,
@@ -27,14 +29,16 @@ from protocol import (
     Task,
     TaskState,
     TaskStatus,
+    TaskArtifactUpdateEvent,
     TaskStatusUpdateEvent,
     TextPart,
     UnsupportedOperation,
 )
 from runtime.agent import AgentSpec
+from runtime.models import ChatRequest, Delta, TextDelta
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
-from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, decode, encode, new_id, now, with_status
-from tests.runtime.agent_support import Answer, ScriptedModel
+from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, answer_artifact, decode, encode, new_id, now, with_status
+from tests.runtime.agent_support import Answer, ScriptedModel, ScriptedStream
 
 
 async def live_task(store: MemoryTaskStore) -> LiveTask:
@@ -175,6 +179,17 @@ async def turn_held_at_its_answer(tasks: MemoryTaskStore) -> AsyncIterator[tuple
         runner.stop()
 
 
+@asynccontextmanager
+async def ended_but_not_stored(tasks: MemoryTaskStore) -> AsyncIterator[tuple[Runner, AnswerSaveGate, Task]]:
+    """As ``turn_held_at_its_answer``, once the run has ended and its end could not be stored
+    (a blocking send was told so)."""
+    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
+        sessions.release.set()
+        with trio.fail_after(10), pytest.raises(EndNotStored):
+            await runner.wait_settled(ANONYMOUS, task.id)
+        yield runner, sessions, task
+
+
 async def test_a_cancel_written_first_stands_when_the_run_then_completes() -> None:
     tasks = MemoryTaskStore()
     async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
@@ -208,10 +223,7 @@ async def test_a_subscriber_is_told_when_the_tasks_end_could_not_be_stored() -> 
 
 async def test_a_subscriber_that_comes_after_the_end_could_not_be_stored_is_told_so_too() -> None:
     tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
-    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
-        sessions.release.set()
-        with trio.fail_after(10), pytest.raises(EndNotStored):
-            await runner.wait_settled(ANONYMOUS, task.id)
+    async with ended_but_not_stored(tasks) as (runner, sessions, task):
         async with runner.subscribe(ANONYMOUS, task.id) as events:
             with trio.fail_after(10):
                 received = [event async for event in events]
@@ -222,10 +234,7 @@ async def test_a_subscriber_that_comes_after_the_end_could_not_be_stored_is_told
 
 async def test_a_message_to_a_task_whose_run_is_over_but_whose_end_is_not_stored_says_so() -> None:
     tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
-    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
-        sessions.release.set()
-        with trio.fail_after(10), pytest.raises(EndNotStored):
-            await runner.wait_settled(ANONYMOUS, task.id)
+    async with ended_but_not_stored(tasks) as (runner, sessions, task):
         steer = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("use staging"),), task_id=task.id)
         with pytest.raises(UnsupportedOperation) as refused:
             await runner.send(ANONYMOUS, SendMessageParams(message=steer))
@@ -268,10 +277,7 @@ async def test_an_end_that_could_not_be_stored_is_tried_again_until_the_store_ta
 
 async def test_a_runner_that_stops_leaves_an_end_it_could_not_store_to_the_next_process() -> None:
     tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")
-    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
-        sessions.release.set()
-        with trio.fail_after(10), pytest.raises(EndNotStored):
-            await runner.wait_settled(ANONYMOUS, task.id)
+    async with ended_but_not_stored(tasks) as (runner, sessions, task):
         runner.stop()
         with trio.fail_after(10):
             await runner.wait_stopped()  # not held up by the retries
@@ -282,10 +288,7 @@ async def test_a_cancel_while_the_end_is_tried_again_settles_the_task_for_good(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     tasks = NotedTasks(fail_at="TASK_STATE_COMPLETED")  # CANCELED, unlike COMPLETED, can be written
-    async with turn_held_at_its_answer(tasks) as (runner, sessions, task):
-        sessions.release.set()
-        with trio.fail_after(10), pytest.raises(EndNotStored):
-            await runner.wait_settled(ANONYMOUS, task.id)
+    async with ended_but_not_stored(tasks) as (runner, sessions, task):
         assert (await runner.cancel(ANONYMOUS, task.id)).status.state is TaskState.CANCELED
         assert (await runner.wait_settled(ANONYMOUS, task.id)).status.state is TaskState.CANCELED
         attempts = len(tasks.writes)
@@ -312,6 +315,10 @@ class HeldCreate(MemoryTaskStore):
 
 def ask(text: str) -> SendMessageParams:
     return SendMessageParams(message=Message(message_id=new_id(), role=Role.USER, parts=(TextPart(text),)))
+
+
+async def send_into(runner: Runner, text: str, sent: list[Task]) -> None:
+    sent.append(await runner.send(ANONYMOUS, ask(text)))
 
 
 async def test_a_drain_ends_when_the_last_run_does_though_a_send_landed_during_it() -> None:
@@ -352,11 +359,7 @@ async def test_a_send_that_lands_after_the_drain_is_recorded_canceled_and_the_ru
         first = await runner.send(ANONYMOUS, ask("first"))
         tasks.hold = True
         late: list[Task] = []
-
-        async def send_late() -> None:
-            late.append(await runner.send(ANONYMOUS, ask("second")))
-
-        nursery.start_soon(send_late)
+        nursery.start_soon(send_into, runner, "second", late)
         with trio.fail_after(10):
             await tasks.entered.wait()
             runner.stop()
@@ -378,11 +381,7 @@ async def test_a_send_that_lands_after_the_runner_stopped_leaves_its_task_to_the
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
         tasks.hold = True
-
-        async def send_late() -> None:
-            late.append(await runner.send(ANONYMOUS, ask("first")))
-
-        nursery.start_soon(send_late)
+        nursery.start_soon(send_into, runner, "first", late)
         with trio.fail_after(10):
             await tasks.entered.wait()
         runner.stop()
@@ -411,3 +410,100 @@ async def test_an_abandoned_runner_stops_at_once_and_leaves_its_tasks_as_stored(
     assert tasks.writes == written  # no CANCELED
     assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.WORKING  # for the next process
     assert runner.statistics().running == 0
+
+
+
+@attrs.define(eq=False)
+class LandsAsTheNurseryCloses(MemoryTaskStore):
+    """A task store whose task rows, once ``nursery`` is given, are written in the very tick in
+    which that nursery closes to new tasks."""
+
+    nursery: trio.Nursery | None = None
+    entered: trio.Event = attrs.field(factory=trio.Event)
+
+    async def create(self, owner: str, **row: Any) -> TaskRecord:
+        record = await super().create(owner, **row)
+        if self.nursery is not None:
+            self.entered.set()
+            while not self.nursery._closed:  # trio's own flag: the exact tick
+                await trio.lowlevel.checkpoint()
+        return record
+
+
+async def test_a_send_whose_task_lands_as_the_runners_nursery_closes_is_left_for_the_next_process() -> None:
+    # A send the drain gave up waiting for (cleanup_timeout_s) lands in the one tick between the
+    # runner's last step and its nursery closing: a run started there would fail.
+    tasks = LandsAsTheNurseryCloses()
+    config = RunnerConfig(drain_timeout_s=0.05, cleanup_timeout_s=0.05)
+    runner = Runner(MemorySessionStore(), tasks, ScriptedModel([]), AgentSpec(), config)
+    late: list[Task] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        tasks.nursery = runner._nursery
+        nursery.start_soon(send_into, runner, "first", late)
+        with trio.fail_after(10):
+            await tasks.entered.wait()
+            runner.stop()
+            await runner.wait_stopped()
+    assert late and late[0].status.state is TaskState.SUBMITTED
+    assert runner.statistics().running == 0
+
+
+@attrs.define(eq=False)
+class OneReadAfterTheHold(ScriptedStream):
+    """After its hold, the rest of the answer comes as one read would bring it: several pieces
+    handed out with no checkpoint between them, as the model client hands out one chunk's lines."""
+
+    _released: bool = attrs.field(init=False, default=False)
+
+    async def __anext__(self) -> Delta:
+        if self._steps and isinstance(hold := self._steps[0], trio.Event):
+            self._steps.popleft()
+            await hold.wait()
+            self._released = True
+        if self._released and self._steps:
+            step = self._steps.popleft()
+            assert not isinstance(step, trio.Event)
+            if isinstance(step, TextDelta):
+                self._said.append(step.text)
+            return step
+        return await super().__anext__()
+
+
+@attrs.define
+class HoldThenBurst:
+    hold: trio.Event
+
+    def stream(self, request: ChatRequest) -> OneReadAfterTheHold:
+        stream = OneReadAfterTheHold(Answer(text="ab", hold=self.hold))
+        stream._steps.insert(3, TextDelta("c"))  # a second piece in the same read as "b"
+        return stream
+
+
+async def test_a_canceled_task_keeps_exactly_the_answer_its_subscribers_were_sent(tmp_path: Path) -> None:
+    # The CANCELED goes to SQLite, through its thread: meanwhile the run, resumed by the read
+    # that came in just before the cancel, streams on until its next checkpoint.
+    hold = trio.Event()
+    async with open_task_store(tmp_path / "tasks.db") as tasks, trio.open_nursery() as nursery:
+        runner = Runner(MemorySessionStore(), tasks, HoldThenBurst(hold), AgentSpec())
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, ask("Why?"))
+        pieces: list[str] = []
+        async with runner.subscribe(ANONYMOUS, task.id) as events:
+            with trio.fail_after(10):
+                async for event in events:
+                    if isinstance(event, TaskArtifactUpdateEvent):  # "a": the model now waits
+                        pieces.append(event.artifact.parts[0].text)  # type: ignore[union-attr]
+                        break
+            hold.set()  # the next read is in: the run is scheduled to go on, and cannot be stopped mid-read
+            canceled = await runner.cancel(ANONYMOUS, task.id)
+            with trio.fail_after(10):
+                async for event in events:
+                    if isinstance(event, TaskArtifactUpdateEvent):
+                        text = event.artifact.parts[0].text  # type: ignore[union-attr]
+                        pieces = [*pieces, text] if event.append else [text]
+        runner.stop()
+        await runner.wait_stopped()
+        stored = decode(await tasks.get(ANONYMOUS, task.id))
+    assert canceled.status.state is TaskState.CANCELED
+    assert canceled.artifacts == stored.artifacts == (answer_artifact("".join(pieces)),)
