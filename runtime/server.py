@@ -259,8 +259,17 @@ class _HttpConfig(hypercorn.Config):
     send_timeout_s: float = 30.0
 
     def take_address(self) -> None:
-        """Bind the listening sockets now (hypercorn listens on them once it serves)."""
-        self._taken = self._new_sockets()
+        """Bind and listen now: an address another process holds, even one still starting (a
+        bound socket alone does not tell, with SO_REUSEADDR), is refused here. Connections made
+        before hypercorn serves wait in the backlog."""
+        sockets = self._new_sockets()
+        self._taken = sockets
+        try:
+            for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+                sock.listen(self.backlog)
+        except OSError as exc:
+            self.release_address()
+            raise self._cannot_listen(exc) from exc
 
     def release_address(self) -> None:
         """Close the sockets taken and never handed to hypercorn (a start that failed)."""
@@ -277,8 +286,7 @@ class _HttpConfig(hypercorn.Config):
         try:
             sockets = super().create_sockets()
         except OSError as exc:
-            hint = _LISTEN_HINTS.get(exc.errno or 0, "check --host (AGENT_HOST) and --port (AGENT_PORT)")
-            raise OSError(f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}; {hint}") from exc
+            raise self._cannot_listen(exc) from exc
         if not hasattr(socket, "TCP_USER_TIMEOUT"):
             logger.warning("this platform has no TCP_USER_TIMEOUT: a client that stops reading keeps its connection")
             return sockets
@@ -287,6 +295,10 @@ class _HttpConfig(hypercorn.Config):
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
         return sockets
+
+    def _cannot_listen(self, exc: OSError) -> OSError:
+        hint = _LISTEN_HINTS.get(exc.errno or 0, "check --host (AGENT_HOST) and --port (AGENT_PORT)")
+        return OSError(f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}; {hint}")
 
 
 def _http_config(config: Config) -> _HttpConfig:
