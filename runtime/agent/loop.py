@@ -21,7 +21,7 @@ import trio
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
-from runtime.agent.errors import AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
+from runtime.agent.errors import AgentError, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import SteerBox, steer_message
 from runtime.agent.tools import Tool, call_tool
@@ -148,14 +148,17 @@ class AgentRun:
         self._started = True
         try:
             await self._turn()
-        except (BudgetExhausted, MaxStepsReached):
+        except (BudgetExhausted, MaxStepsReached) as exc:
             # The last step's tool results are work done: store them, so that a run resumed from
             # the session does not make those calls again. The limit stays the run's error.
-            self._box.close()
+            exc.unapplied_steers = (*exc.unapplied_steers, *self._box.close())
             try:
                 await self._save("saving the last step", before_model=False)
-            except SaveFailed as exc:
-                logger.warning("%s (%r)", exc, exc.__cause__)
+            except SaveFailed as failed:
+                logger.warning("%s (%r)", failed, failed.__cause__)
+            raise
+        except AgentError as exc:
+            exc.unapplied_steers = (*exc.unapplied_steers, *self._box.close())
             raise
         finally:
             unapplied = self._box.close()
@@ -216,14 +219,19 @@ class AgentRun:
         transcript before them, so none is ever taken and lost. That write is shielded from
         cancellation (within a bound): once begun it is finished, and the run knows what it took.
         """
-        placed = self._place(self._box.take())
+        handed = self._box.take()
+        placed = self._place(handed)
         if self.session is None:
             return placed
-        with trio.move_on_after(STORE_TIMEOUT_S, shield=True):
-            taken = await self._save_and_take_steers(self.session, what, before_model=before_model)
-            return placed or bool(taken)
-        # Reached only when the bound ran out.
-        raise SaveFailed(self.session.id, f"{what} within {STORE_TIMEOUT_S:g} s", before_model=before_model)
+        try:
+            with trio.move_on_after(STORE_TIMEOUT_S, shield=True):
+                taken = await self._save_and_take_steers(self.session, what, before_model=before_model)
+                return placed or bool(taken)
+            # Reached only when the bound ran out.
+            raise SaveFailed(self.session.id, f"{what} within {STORE_TIMEOUT_S:g} s", before_model=before_model)
+        except SaveFailed as exc:  # the steers handed to the run went nowhere: they go back with the error
+            exc.unapplied_steers = tuple(handed)
+            raise
 
     async def _save_and_take_steers(self, session: Session, what: str, *, before_model: bool) -> list[str]:
         """Save the transcript, take the steers left in the store and save them placed after it,
@@ -280,11 +288,12 @@ class AgentRun:
         self.on_event(StepStarted(self._calls))
         limit = self._max_message_bytes
         said = 0  # characters of the answer so far: at least as many bytes once stored
+        named: set[int] = set()  # the tool calls whose id and name have been counted
         stream: AnswerStream | None = None
         try:
             async with self.model.stream(request) as stream:
                 async for delta in stream:
-                    said += _characters(delta)
+                    said += _characters(delta, named)
                     if said > limit:  # a model that would not stop: what it said is kept, cut to fit
                         raise AnswerTooLarge(limit)
                     self._emit(delta)
@@ -344,12 +353,16 @@ class AgentRun:
             self.on_event(ToolResult(call.id, call.name, result.text, outcome.is_error))
 
 
-def _characters(delta: Delta) -> int:
-    """The characters a delta adds to the answer. A whole ToolCall, sent once a stream has given
-    its pieces, adds none: the completion's own check counts it."""
+def _characters(delta: Delta, named: set[int]) -> int:
+    """The characters a delta adds to the answer. A call's id and name count once, however
+    many of its pieces repeat them (as some servers do); a whole ToolCall, sent once a stream
+    has given its pieces, adds none: the completion's own check counts it."""
     if isinstance(delta, ModelText):
         return len(delta.text)
     if isinstance(delta, ToolCallDelta):
+        if delta.index in named:
+            return len(delta.arguments)
+        named.add(delta.index)
         return len(delta.id) + len(delta.name) + len(delta.arguments)
     return 0
 
@@ -362,7 +375,10 @@ def _fitted(result: Message, limit: int) -> Message:
     if size is None:
         return result
     note = f"\n[output cut here: the tool returned {size} bytes, more than the {limit} one message may hold]"
-    return result.cut_to_fit(limit, note)
+    try:
+        return result.cut_to_fit(limit, note)
+    except ValueError:  # the call's own id and name leave no room: the model's answer was too large
+        raise AnswerTooLarge(limit) from None
 
 
 def _add(a: Usage, b: Usage) -> Usage:

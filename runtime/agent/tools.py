@@ -52,15 +52,21 @@ async def call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
     """Check and run one tool call within the tool's timeout; every failure is an error Outcome.
 
     Blocks until the tool returns or its timeout passes. Cancellation of the caller propagates
-    (it ends the tool too); nothing else is raised.
+    (it ends the tool too); nothing else is raised. The outcome's text is Unicode text, as the
+    transcript stores it, whatever the model or the tool put in it (a lone surrogate, say).
     """
+    outcome = await _call_tool(tools, call)
+    return Outcome(unicode_text(outcome.text), outcome.is_error)
+
+
+async def _call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
     tool = tools.get(call.name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
         return Outcome(f"error: there is no tool named {call.name!r}; the tools are: {known}", True)
     try:
         arguments = json.loads(call.arguments or "{}")  # some models send "" for a call without arguments
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past what Python reads
         return Outcome(f"error: the arguments of {call.name} are not JSON ({exc}); send a JSON object", True)
     if not isinstance(arguments, dict):
         return Outcome(f"error: the arguments of {call.name} must be a JSON object, not {_json_type(arguments)}", True)
@@ -72,13 +78,12 @@ async def call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
             text = await tool.invoke(arguments)
         except Exception as exc:  # a failing tool is the model's to handle; Cancelled is not caught
             logger.info("tool %s failed: %r", call.name, exc)
-            return Outcome(f"error: {call.name} failed: {unicode_text(str(exc)) or type(exc).__name__}", True)
+            return Outcome(f"error: {call.name} failed: {str(exc) or type(exc).__name__}", True)
         if not isinstance(text, str):
             logger.warning("tool %s returned a %s, not text", call.name, type(text).__name__)
             return Outcome(f"error: {call.name} failed: it returned no text", True)
-        # Stored with the transcript, so it must be Unicode text: a file name read with
-        # errors="surrogateescape", say, is not.
-        return Outcome(unicode_text(text), False)
+        # call_tool makes it Unicode text: a file name read with errors="surrogateescape" is not.
+        return Outcome(text, False)
     # The tool's own scope ran out. A tool that ignores cancellation (a blocking call in a
     # thread, say) delays this until it returns; the caller's cancellation is never caught here.
     return Outcome(f"error: {call.name} did not finish within {tool.timeout_s:g} s", True)

@@ -61,7 +61,8 @@ class Reply:
     ``hang_after_chunks=N`` (streamed only) sends N events and then nothing, until the client leaves;
     with ``keepalive_s`` it sends an SSE comment that often meanwhile, as a proxy keeping the
     connection open does, but no event. ``ignore_stream`` answers in one JSON body even when asked
-    to stream, as some servers and proxies do.
+    to stream, as some servers and proxies do. ``repeat_call_names`` repeats each call's id and
+    name in every piece of it, as some servers do.
     """
 
     text: str = ""
@@ -73,6 +74,7 @@ class Reply:
     hang_after_chunks: int | None = None
     keepalive_s: float = 0.0
     ignore_stream: bool = False
+    repeat_call_names: bool = False
     finish_reason: str = ""  # "" gives "tool_calls" or "stop"
     prompt_tokens: int = 12
     completion_tokens: int = 8
@@ -242,7 +244,9 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
         function = {"name": call.name, "arguments": ""}
         yield chunk({"tool_calls": [{"index": index, "id": _call_id(call, number, index), "type": "function", "function": function}]})
         for piece in _pieces(call.arguments, reply.chunk_chars):
-            yield chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+            again = {"id": _call_id(call, number, index), "type": "function"} if reply.repeat_call_names else {}
+            named = {"name": call.name} if reply.repeat_call_names else {}
+            yield chunk({"tool_calls": [{"index": index, **again, "function": {**named, "arguments": piece}}]})
     yield chunk({}, _finish_reason(reply))
     if usage:
         yield json.dumps({**head, "choices": [], "usage": _usage(reply)})

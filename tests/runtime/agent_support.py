@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import sqlite3
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import closing
 from pathlib import Path
 from types import TracebackType
@@ -162,13 +162,17 @@ def sent_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 # -- an in-process model whose answers a test can hold open ---------------------------------------
 
 
+def _calls(calls: Iterable[ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(calls)
+
+
 @attrs.frozen
 class Answer:
     """One scripted answer. With ``hold``, the stream sends the first half of the text, then
     waits for the event before sending the rest."""
 
     text: str = ""
-    calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=tuple)
+    calls: tuple[ToolCall, ...] = attrs.field(default=(), converter=_calls)
     hold: trio.Event | None = None
 
 

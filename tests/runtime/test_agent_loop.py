@@ -262,15 +262,17 @@ async def test_an_answer_larger_than_a_message_may_be_fails_the_run_and_is_kept_
     assert text.startswith(streamed) and len(streamed) <= 4096  # no more went out than may be kept
 
 
-@pytest.mark.parametrize("streamed", [True, False])
-async def test_a_tool_call_that_takes_most_of_a_message_is_taken_whether_streamed_or_not(
-    fake_model: FakeModel, tmp_path: Path, streamed: bool
+@pytest.mark.parametrize("sent", ["streamed", "streamed, every piece naming the call", "whole"])
+async def test_a_tool_call_that_takes_most_of_a_message_is_taken_however_it_is_sent(
+    fake_model: FakeModel, tmp_path: Path, sent: str
 ) -> None:
-    # Its arguments arrive in pieces and then whole: counted once, they fit the limit.
+    # Its arguments arrive in pieces and then whole, and some servers repeat the call's id and
+    # name in every piece: counted once, they fit the limit.
     arguments = '{"service": "' + "v" * 3_000 + '"}'
+    whole, repeat = sent == "whole", "naming" in sent
     fake_model.script = [
-        Reply(tool_calls=[Call("lookup", arguments)], ignore_stream=not streamed),
-        Reply(text="It expired.", ignore_stream=not streamed),
+        Reply(tool_calls=[Call("lookup", arguments)], ignore_stream=whole, repeat_call_names=repeat),
+        Reply(text="It expired.", ignore_stream=whole),
     ]
     with trio.fail_after(DEADLINE_S):
         async with open_session_store(tmp_path / "runtime.db", max_event_bytes=4096) as store:
@@ -499,3 +501,15 @@ async def test_an_agent_run_runs_once(fake_model: FakeModel) -> None:
 def test_an_agent_run_refuses_a_transcript_of_something_other_than_messages() -> None:
     with pytest.raises(TypeError):
         AgentRun(object(), AgentSpec(), [{"role": "user", "content": QUESTION}])  # type: ignore[arg-type, list-item]  # the wrong types are the point
+
+
+async def test_a_tool_result_that_cannot_fit_beside_its_calls_own_name_ends_the_run_as_too_large(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # A call to a tool of a name nearly a whole message long: even an empty result, with the
+    # note that it was cut, would not fit. The model's answer was too large, said as such.
+    fake_model.script = [Reply(tool_calls=[Call("x" * 3990, "{}")])]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db", max_event_bytes=4096) as store:
+            with pytest.raises(AnswerTooLarge, match="grew past 4096 bytes"):
+                await run_turn(fake_model, AgentSpec(tools=[lookup_tool()]), question(), session=Session.open(SESSION, store))

@@ -16,8 +16,19 @@ from fake_model import Call, FakeModel, Reply
 
 from persistence.session import Session
 from persistence.sessions import open_session_store
-from persistence.transcript import Message
-from runtime.agent import STEER_LABEL, AgentEvent, AgentRun, AgentSpec, RunFinished, SaveFailed, SteerApplied, StepStarted, TextDelta
+from persistence.transcript import Message, ToolCall
+from runtime.agent import (
+    STEER_LABEL,
+    AgentEvent,
+    AgentRun,
+    AgentSpec,
+    BudgetExhausted,
+    RunFinished,
+    SaveFailed,
+    SteerApplied,
+    StepStarted,
+    TextDelta,
+)
 from runtime.models import open_model_client
 from tests.runtime.agent_support import (
     DEADLINE_S,
@@ -27,6 +38,7 @@ from tests.runtime.agent_support import (
     GatedSession,
     ScriptedModel,
     config_for,
+    lookup_tool,
     make_tool,
     question,
     sent_messages,
@@ -331,3 +343,26 @@ async def test_a_steer_whose_save_fails_is_left_for_the_run_that_resumes(fake_mo
         {"role": "user", "content": QUESTION},
         steered(STEER),
     ]
+
+
+async def test_a_steer_handed_to_a_run_that_ends_in_an_error_comes_back_with_the_error(tmp_path: Path) -> None:
+    hold = trio.Event()
+    model = ScriptedModel([Answer("Looking.", calls=(ToolCall("c1", "lookup", VAULT),), hold=hold)])
+    log = EventLog()
+    caught: list[BudgetExhausted] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db") as store:
+            spec = AgentSpec(tools=[lookup_tool()], max_model_calls=1)
+            run = AgentRun(model, spec, question(), session=Session.open(SESSION, store), on_event=log)
+
+            async def go() -> None:
+                with pytest.raises(BudgetExhausted) as raised:
+                    await run.run()
+                caught.append(raised.value)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(go)
+                await log.wait_for(TextDelta)
+                run.steer("also check staging")  # taken: the run has not ended
+                hold.set()
+    assert caught[0].unapplied_steers == ("also check staging",)

@@ -82,6 +82,27 @@ async def test_arguments_that_are_not_json_are_a_tool_error_and_the_tool_is_not_
     assert calls == []
 
 
+async def test_arguments_nested_past_what_json_reads_are_a_tool_error() -> None:
+    calls: list[dict[str, Any]] = []
+    nested = "[" * 100_000 + "]" * 100_000
+    outcome = await call_tool({"lookup": lookup_tool(calls)}, ToolCall("call_1", "lookup", nested))
+    assert outcome.is_error and outcome.text.startswith("error: the arguments of lookup are not JSON (")
+    assert calls == []
+
+
+async def test_a_tool_error_quoting_what_the_model_sent_is_text_the_transcript_can_store(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # "\ud800" in JSON is a lone surrogate once read: quoted back as is, it could not be saved.
+    fake_model.script = [Reply(tool_calls=[Call("lookup", '{"service": "vault", "\\ud800": 1}')]), Reply(text="Done.")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db") as store:
+            result = await run_turn(fake_model, AgentSpec(tools=[lookup_tool()]), question(), session=Session.open("s", store))
+    error = result.messages[2]
+    assert result.output == "Done." and error.role == "tool"
+    assert "arguments.\ufffd is not a known field" in error.text
+
+
 async def test_arguments_that_are_not_an_object_are_a_tool_error_even_under_an_empty_schema() -> None:
     calls: list[dict[str, Any]] = []
     open_tool = make_tool("lookup", lookup_tool(calls).invoke, parameters={})
