@@ -4,8 +4,9 @@
 2. the state directory, created only now, and held so that no restore runs under us and no
    other server serves it;
 3. preflight, read-only: databases this build cannot use are refused before anything is written;
-   and the listening address is taken (not yet listened on), so that one in use stops the start
-   before a task a dead process left is taken up;
+   and the listening address is taken (bound and listened on; a connection waits in the backlog
+   until step 7 serves it), so that one in use stops the start before a task a dead process left
+   is taken up;
 4. (the dataset step arrives with the incident agent);
 5. the session and task stores, migrated, with their group-commit writers in this nursery;
 6. the runner, which adopts what a dead process left running;
