@@ -166,7 +166,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
     Setting(
         "model_timeout_s", "AGENT_MODEL_TIMEOUT_S", _positive_float, "--model-timeout-s",
-        "how long the model may send nothing: before its answer starts, or between two pieces of it",
+        "how long the model may send nothing (keep-alives are nothing): before its answer starts, or between two pieces of it",
     ),  # fmt: skip
     Setting(
         "max_model_connections", "AGENT_MAX_MODEL_CONNECTIONS", _positive_int, "--max-model-connections",

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 
 class AgentError(Exception):
-    """``unapplied_steers``: the steers handed to the run (``AgentRun.steer``) that no model
-    request carried when it ended with this error, for the caller to hand on; never dropped."""
-
-    unapplied_steers: tuple[str, ...] = ()
+    pass
 
 
 class BudgetExhausted(AgentError):

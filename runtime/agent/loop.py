@@ -21,7 +21,7 @@ import trio
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
-from runtime.agent.errors import AgentError, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
+from runtime.agent.errors import AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import SteerBox, steer_message
 from runtime.agent.tools import Tool, call_tool
@@ -120,6 +120,7 @@ class AgentRun:
     # WORKING state, written to its own database while the transcript is saved to this one).
     ready: Callable[[], Awaitable[object]] | None = None
     _box: SteerBox = attrs.field(init=False, factory=SteerBox)
+    _unapplied: list[str] = attrs.field(init=False, factory=list)  # see unapplied_steers
     _calls: int = attrs.field(init=False, default=0)
     _usage: Usage | None = attrs.field(init=False, default=None)
     _started: bool = attrs.field(init=False, default=False)
@@ -148,20 +149,17 @@ class AgentRun:
         self._started = True
         try:
             await self._turn()
-        except (BudgetExhausted, MaxStepsReached) as exc:
+        except (BudgetExhausted, MaxStepsReached):
             # The last step's tool results are work done: store them, so that a run resumed from
             # the session does not make those calls again. The limit stays the run's error.
-            exc.unapplied_steers = (*exc.unapplied_steers, *self._box.close())
+            self._unapplied.extend(self._box.close())
             try:
                 await self._save("saving the last step", before_model=False)
-            except SaveFailed as failed:
-                logger.warning("%s (%r)", failed, failed.__cause__)
-            raise
-        except AgentError as exc:
-            exc.unapplied_steers = (*exc.unapplied_steers, *self._box.close())
+            except SaveFailed as exc:
+                logger.warning("%s (%r)", exc, exc.__cause__)
             raise
         finally:
-            unapplied = self._box.close()
+            self._unapplied.extend(self._box.close())
         if self._saved != len(self.messages):  # a continuation's look for steers may have saved it all
             await self._save("saving the answer", before_model=False)
         return Result(
@@ -169,8 +167,15 @@ class AgentRun:
             messages=tuple(self.messages),
             model_calls=self._calls,
             usage=self._usage,
-            unapplied_steers=tuple(unapplied),
+            unapplied_steers=self.unapplied_steers,
         )
+
+    @property
+    def unapplied_steers(self) -> tuple[str, ...]:
+        """The steers handed to this run (``steer``) that no model request carried, in the
+        order given, for the caller to hand on: once ``run`` has returned (they are in its
+        Result too) or raised, however it ended. None is ever dropped silently."""
+        return tuple(self._unapplied)
 
     async def _turn(self) -> None:
         tools = {tool.name: tool for tool in self.spec.tools}
@@ -229,8 +234,8 @@ class AgentRun:
                 return placed or bool(taken)
             # Reached only when the bound ran out.
             raise SaveFailed(self.session.id, f"{what} within {STORE_TIMEOUT_S:g} s", before_model=before_model)
-        except SaveFailed as exc:  # the steers handed to the run went nowhere: they go back with the error
-            exc.unapplied_steers = tuple(handed)
+        except SaveFailed:  # the steers handed to the run went nowhere: they are handed back
+            self._unapplied.extend(handed)
             raise
 
     async def _save_and_take_steers(self, session: Session, what: str, *, before_model: bool) -> list[str]:
@@ -288,7 +293,7 @@ class AgentRun:
         self.on_event(StepStarted(self._calls))
         limit = self._max_message_bytes
         said = 0  # characters of the answer so far: at least as many bytes once stored
-        named: set[int] = set()  # the tool calls whose id and name have been counted
+        named: set[tuple[int, str]] = set()  # (call index, "id" or "name") counted already
         stream: AnswerStream | None = None
         try:
             async with self.model.stream(request) as stream:
@@ -353,17 +358,20 @@ class AgentRun:
             self.on_event(ToolResult(call.id, call.name, result.text, outcome.is_error))
 
 
-def _characters(delta: Delta, named: set[int]) -> int:
-    """The characters a delta adds to the answer. A call's id and name count once, however
-    many of its pieces repeat them (as some servers do); a whole ToolCall, sent once a stream
-    has given its pieces, adds none: the completion's own check counts it."""
+def _characters(delta: Delta, named: set[tuple[int, str]]) -> int:
+    """The characters a delta adds to the answer. A call's id and name count once each, in the
+    first piece that carries them, as the answer keeps them, however many pieces repeat them
+    (as some servers do); a whole ToolCall, sent once a stream has given its pieces, adds none:
+    the completion's own check counts it."""
     if isinstance(delta, ModelText):
         return len(delta.text)
     if isinstance(delta, ToolCallDelta):
-        if delta.index in named:
-            return len(delta.arguments)
-        named.add(delta.index)
-        return len(delta.id) + len(delta.name) + len(delta.arguments)
+        size = len(delta.arguments)
+        for part, text in (("id", delta.id), ("name", delta.name)):
+            if text and (delta.index, part) not in named:
+                named.add((delta.index, part))
+                size += len(text)
+        return size
     return 0
 
 

@@ -253,15 +253,18 @@ class ModelClient:
 
     async def _read_json(self, response: httpx.Response) -> Any:
         """A whole JSON body, at most MAX_BODY_BYTES of it. Each wait for more of it is bounded
-        by ``read_timeout_s``, not the whole: a server may keep a slow answer's connection alive
-        with whitespace (JSON allows it) until the answer is ready."""
-        model = self.config.model
+        by ``read_timeout_s``; whitespace (what a gateway may send to keep a slow answer's
+        connection open) does not count as more, as keep-alive comments do not in a stream."""
+        model, timeout_s = self.config.model, self.config.read_timeout_s
         try:
-            raw = await _read_at_most(response, MAX_BODY_BYTES + 1)
+            with trio.CancelScope(deadline=trio.current_time() + timeout_s) as quiet:
+                raw = await _read_at_most(response, MAX_BODY_BYTES + 1, quiet=quiet, quiet_s=timeout_s)
         except httpx.RequestError as exc:
             raise self._broken_answer(exc) from exc
         finally:
             await response.aclose()
+        if quiet.cancelled_caught:
+            raise ModelTimeout(model, "the rest of the answer", timeout_s, detail="only whitespace arrived")
         if len(raw) > MAX_BODY_BYTES:
             raise ModelBadResponse(model, f"the body is larger than {MAX_BODY_BYTES} bytes")
         try:
@@ -287,8 +290,11 @@ class ModelClient:
         return text.replace(self.config.api_key, "[api key]") if self.config.api_key else text
 
 
-async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
-    """The body, or its first ``limit`` bytes or so: what follows is not read."""
+async def _read_at_most(
+    response: httpx.Response, limit: int, *, quiet: trio.CancelScope | None = None, quiet_s: float = 0.0
+) -> bytes:
+    """The body, or its first ``limit`` bytes or so: what follows is not read. With ``quiet``,
+    its deadline moves ``quiet_s`` on each time something other than whitespace arrives."""
     pieces, size = [], 0
     chunks = response.aiter_bytes()
     try:
@@ -297,6 +303,8 @@ async def _read_at_most(response: httpx.Response, limit: int) -> bytes:
             size += len(piece)
             if size >= limit:
                 break
+            if quiet is not None and piece.strip():
+                quiet.deadline = trio.current_time() + quiet_s
     finally:
         await _unwind(chunks)
     return b"".join(pieces)

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from fake_model import Call, ErrorReply, FakeModel, Reply
@@ -35,13 +36,15 @@ from runtime.agent import (
     ToolResult,
     UsageReported,
 )
-from runtime.models import ModelUnavailable, Usage, open_model_client
+from runtime.models import Delta, ModelUnavailable, ToolCallDelta, Usage, open_model_client
 from tests.runtime.agent_support import (
     DEADLINE_S,
     PROMPTLY_S,
     QUESTION,
     CountingSession,
+    Answer,
     EventLog,
+    ScriptedStream,
     config_for,
     lookup_tool,
     make_tool,
@@ -513,3 +516,35 @@ async def test_a_tool_result_that_cannot_fit_beside_its_calls_own_name_ends_the_
         async with open_session_store(tmp_path / "runtime.db", max_event_bytes=4096) as store:
             with pytest.raises(AnswerTooLarge, match="grew past 4096 bytes"):
                 await run_turn(fake_model, AgentSpec(tools=[lookup_tool()]), question(), session=Session.open(SESSION, store))
+
+
+@attrs.define(eq=False)
+class NamesComeLater(ScriptedStream):
+    """Calls whose first piece has no id or name, sent in a later piece (a long name): it
+    counts how many pieces it handed out."""
+
+    handed: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        for index in range(200):
+            self._steps.append(ToolCallDelta(index=index, arguments="{}"))
+            self._steps.append(ToolCallDelta(index=index, id=f"c{index}", name="x" * 5000))
+
+    async def __anext__(self) -> Delta:
+        self.handed += 1
+        return await super().__anext__()
+
+
+async def test_a_call_whose_name_comes_after_its_first_piece_counts_toward_the_answers_size(tmp_path: Path) -> None:
+    streams: list[NamesComeLater] = []
+
+    class Model:
+        def stream(self, request: object) -> NamesComeLater:
+            streams.append(NamesComeLater(Answer()))
+            return streams[-1]
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db", max_event_bytes=4096) as store:
+            with pytest.raises(AnswerTooLarge):
+                await AgentRun(Model(), AgentSpec(), question(), session=Session.open(SESSION, store)).run()
+    assert streams[0].handed < 10  # left as soon as the names passed the limit, not read to its end

@@ -41,6 +41,7 @@ from tests.runtime.agent_support import (
     lookup_tool,
     make_tool,
     question,
+    refuse_writes_of_events,
     sent_messages,
     stored_messages,
 )
@@ -345,24 +346,27 @@ async def test_a_steer_whose_save_fails_is_left_for_the_run_that_resumes(fake_mo
     ]
 
 
-async def test_a_steer_handed_to_a_run_that_ends_in_an_error_comes_back_with_the_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending", ["over budget", "its save failing"])
+async def test_a_steer_handed_to_a_run_that_ends_in_an_error_is_handed_back(tmp_path: Path, ending: str) -> None:
+    path = tmp_path / "runtime.db"
     hold = trio.Event()
     model = ScriptedModel([Answer("Looking.", calls=(ToolCall("c1", "lookup", VAULT),), hold=hold)])
     log = EventLog()
-    caught: list[BudgetExhausted] = []
+    expected = BudgetExhausted if ending == "over budget" else SaveFailed
     with trio.fail_after(DEADLINE_S):
-        async with open_session_store(tmp_path / "runtime.db") as store:
-            spec = AgentSpec(tools=[lookup_tool()], max_model_calls=1)
+        async with open_session_store(path) as store:
+            spec = AgentSpec(tools=[lookup_tool()], max_model_calls=1 if ending == "over budget" else 12)
             run = AgentRun(model, spec, question(), session=Session.open(SESSION, store), on_event=log)
 
             async def go() -> None:
-                with pytest.raises(BudgetExhausted) as raised:
+                with pytest.raises(expected):
                     await run.run()
-                caught.append(raised.value)
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(go)
                 await log.wait_for(TextDelta)
                 run.steer("also check staging")  # taken: the run has not ended
+                if ending == "its save failing":
+                    refuse_writes_of_events(path)  # the save before the next request fails
                 hold.set()
-    assert caught[0].unapplied_steers == ("also check staging",)
+    assert run.unapplied_steers == ("also check staging",)

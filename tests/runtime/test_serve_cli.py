@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import gc
+import socket
+import warnings
 
+import pytest
+
+from runtime.config import Config
 from runtime.serve_cli import GC_YOUNG_THRESHOLD, _tune_collector
+from runtime.server import _http_config
 
 
 def test_the_server_freezes_what_it_made_to_start_and_collects_the_young_less_often() -> None:
@@ -17,3 +23,24 @@ def test_the_server_freezes_what_it_made_to_start_and_collects_the_young_less_of
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+def test_an_address_a_server_still_starting_has_taken_is_refused_to_a_second() -> None:
+    # Bound alone, with SO_REUSEADDR as hypercorn binds, a port could be bound twice; both servers
+    # would then get as far as taking up what a dead process left before one failed to listen.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    first, second = (_http_config(Config.load({"AGENT_PORT": str(port)})) for _ in range(2))
+    first.take_address()
+    try:
+        with warnings.catch_warnings():  # hypercorn leaves the socket whose bind failed to the collector
+            warnings.simplefilter("ignore", ResourceWarning)
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: .*another process listens there"):
+                second.take_address()
+            gc.collect()
+    finally:
+        first.release_address()
+        second.release_address()
+    second.take_address()  # once the first has let go
+    second.release_address()
