@@ -220,23 +220,36 @@ class AgentRun:
         True if a steer was placed. ``what`` and ``before_model`` say, should the save fail,
         what was being saved and whether a model request was to follow (see SaveFailed).
 
+        Each steer becomes a labelled user message at the end of the transcript as it stands,
+        which is where the run has got to. Later messages go after it, so every later request
+        carries it at this position: it is never re-pinned last, where the model would read it
+        as new every time. (It does not go where the run was when it arrived if that was during
+        a step: before the answer being written, the transcript would claim the model had read
+        it; between a tool call and its result, the transcript could not be sent.)
+
         The steers left in the store are taken and saved, placed, in the same transaction as the
         transcript before them, so none is ever taken and lost. That write is shielded from
         cancellation (within a bound): once begun it is finished, and the run knows what it took.
+        Steers are announced (SteerApplied) once saved; those handed to the run (``steer``) go
+        back to ``unapplied_steers`` if the save fails.
         """
         handed = self._box.take()
-        placed = self._place(handed)
-        if self.session is None:
-            return placed
-        try:
-            with trio.move_on_after(STORE_TIMEOUT_S, shield=True):
-                taken = await self._save_and_take_steers(self.session, what, before_model=before_model)
-                return placed or bool(taken)
-            # Reached only when the bound ran out.
-            raise SaveFailed(self.session.id, f"{what} within {STORE_TIMEOUT_S:g} s", before_model=before_model)
-        except SaveFailed:  # the steers handed to the run went nowhere: they are handed back
-            self._unapplied.extend(handed)
-            raise
+        start = len(self.messages)
+        self.messages.extend(map(steer_message, handed))
+        taken: list[str] = []
+        if self.session is not None:
+            try:
+                with trio.move_on_after(STORE_TIMEOUT_S, shield=True) as bound:
+                    taken = await self._save_and_take_steers(self.session, what, before_model=before_model)
+            except SaveFailed:  # nothing of the save was stored: the handed steers go back, unsent
+                del self.messages[start:]
+                self._unapplied.extend(handed)
+                raise
+            if bound.cancelled_caught:  # the write may still land: its steers stay placed
+                raise SaveFailed(self.session.id, f"{what} within {STORE_TIMEOUT_S:g} s", before_model=before_model)
+        for offset, text in enumerate((*handed, *taken)):
+            self.on_event(SteerApplied(text, start + offset))
+        return bool(handed or taken)
 
     async def _save_and_take_steers(self, session: Session, what: str, *, before_model: bool) -> list[str]:
         """Save the transcript, take the steers left in the store and save them placed after it,
@@ -246,21 +259,9 @@ class AgentRun:
             taken = await session.save_and_take_steers(self.messages, placed=steer_message)
         except Exception as exc:  # any failure, as in _save
             raise SaveFailed(session.id, what, before_model=before_model) from exc
-        self._place(taken)  # as saved
+        self.messages.extend(map(steer_message, taken))  # as saved
         self._saved = len(self.messages)
         return taken
-
-    def _place(self, steers: Sequence[str]) -> bool:
-        """Each steer becomes a labelled user message at the end of the transcript as it stands,
-        which is where the run has got to. Later messages go after it, so every later request
-        carries it at this position: it is never re-pinned last, where the model would read it
-        as new every time. (It does not go where the run was when it arrived if that was during
-        a step: before the answer being written, the transcript would claim the model had read
-        it; between a tool call and its result, the transcript could not be sent.)"""
-        for text in steers:
-            self.messages.append(steer_message(text))
-            self.on_event(SteerApplied(text, len(self.messages) - 1))
-        return bool(steers)
 
     async def _save(self, what: str, *, before_model: bool = True, bound_s: float = STORE_TIMEOUT_S) -> None:
         """Save the transcript, shielded from cancellation within ``bound_s``: a save once begun

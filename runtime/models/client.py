@@ -58,11 +58,11 @@ def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
 class ModelConfig:
     """Where the model is and how long to wait for it.
 
-    ``read_timeout_s`` bounds each wait for data: for the answer to start and, when streaming,
-    between two pieces of it (keep-alive comments are not data). A bound on the whole call is
-    the caller's ``trio.fail_after``. At most ``max_connections`` requests are open at once; the
-    others wait their turn for as long as it takes (as a model server queues what it cannot run
-    yet), never failing for it.
+    ``read_timeout_s`` bounds each wait for data: for the answer to start, and between two
+    pieces of it (keep-alive comments in a stream, and whitespace in a whole JSON answer, are
+    not data). A bound on the whole call is the caller's ``trio.fail_after``. At most
+    ``max_connections`` requests are open at once; the others wait their turn for as long as it
+    takes (as a model server queues what it cannot run yet), never failing for it.
     """
 
     base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url)
@@ -264,7 +264,7 @@ class ModelClient:
         finally:
             await response.aclose()
         if quiet.cancelled_caught:
-            raise ModelTimeout(model, "the rest of the answer", timeout_s, detail="only whitespace arrived")
+            raise ModelTimeout(model, "the rest of the answer", timeout_s, detail="no JSON arrived, whitespace at most")
         if len(raw) > MAX_BODY_BYTES:
             raise ModelBadResponse(model, f"the body is larger than {MAX_BODY_BYTES} bytes")
         try:

@@ -370,3 +370,5 @@ async def test_a_steer_handed_to_a_run_that_ends_in_an_error_is_handed_back(tmp_
                     refuse_writes_of_events(path)  # the save before the next request fails
                 hold.set()
     assert run.unapplied_steers == ("also check staging",)
+    if ending == "its save failing":  # never sent, so never said to be applied
+        assert not log.of(SteerApplied) and all("also check staging" not in m.text for m in run.messages)
