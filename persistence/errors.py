@@ -24,8 +24,11 @@ class StoreError(Exception):
 
 
 class StoreClosed(StoreError):
-    def __init__(self, what: str) -> None:
-        super().__init__(f"{what} is closed; open a new store to read or write it")
+    def __init__(self, what: str, *, session_id: str | None = None) -> None:
+        self.what = what
+        self.session_id = session_id
+        about = "" if session_id is None else f", so session {session_id!r} was neither read nor written"
+        super().__init__(f"{what} is closed{about}; open a new store to read or write it")
 
 
 class InvalidEvent(StoreError):

@@ -30,6 +30,7 @@ from persistence.errors import (
     TranscriptConflict,
     VersionConflict,
 )
+from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 
 DEADLINE_S = 30  # every check is bounded; none should come near it
@@ -433,11 +434,15 @@ async def a_closed_store_refuses_every_call(backend: Backend) -> None:
         lambda: store.take_steers("s"),
         lambda: store.set_state("s", {}),
     ]
-    for call in calls:
+    session = Session.open("conv-3", store)
+    calls += [lambda: session.save([user("q")]), lambda: session.messages(), lambda: session.steer("x")]
+    for number, call in enumerate(calls):
         try:
             await call()
         except StoreClosed as exc:
             assert "closed" in str(exc)
+            if number >= len(calls) - 3:  # through a Session: the error names it
+                assert "session 'conv-3' was neither read nor written" in str(exc), str(exc)
         else:
             raise AssertionError("a closed store answered")
     async with backend.sessions() as reopened:

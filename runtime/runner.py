@@ -412,8 +412,8 @@ class Runner:
             send.send_nowait(task)
             if not task.status.state.ends_stream:  # not settled, and not run here
                 why = (
-                    "another server process runs it, and a stream follows only the tasks of the process"
-                    " serving it; poll GetTask, or subscribe through the replica that runs it"
+                    "no run of it is in this server (it was left for the next server to resume), and a stream"
+                    " follows only the runs of the server serving it; poll GetTask to see it end"
                 )
                 send.send_nowait(StreamCut(task_id, why))
             send.close()
@@ -444,7 +444,7 @@ class Runner:
 
     def _refuse_if_stopping(self) -> None:
         if self._stopping.is_set():
-            raise UnsupportedOperation("the server is shutting down and takes no new tasks; try another replica or retry shortly")
+            raise UnsupportedOperation("the server is shutting down and takes no new tasks; send it again once the server that replaces it is up")
 
     def _start(self, live: LiveTask) -> None:
         if self._nursery is None:  # a send's task written after the runner stopped

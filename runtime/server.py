@@ -97,7 +97,7 @@ async def serve(
         try:
             await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
             http_config = _http_config(config)
-            http_config.take_address()
+            await trio.to_thread.run_sync(http_config.take_address)  # a host name may be looked up
             try:
                 async with trio.open_nursery() as nursery:
                     await _serve_in(nursery, config, http_config, agent, model, shutdown, task_status)

@@ -34,8 +34,8 @@ class KeelProcess:
     url: str = ""
     output: bytearray = attrs.field(factory=bytearray)
 
-    async def terminate(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
+    async def terminate(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        self.process.send_signal(sig)
         return await self.wait()
 
     async def kill(self) -> int:

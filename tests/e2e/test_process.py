@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from fake_model import FakeModel, Reply
+from fake_model import Call, FakeModel, Reply
 from persistence.journal import JOURNAL_NAME
 from tests.e2e.harness import keel_process, rpc, run_serve_to_exit, stored_task, user_message, wait_stored_state
 
@@ -98,8 +98,14 @@ async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(t
     state = tmp_path / "state"
     async with httpx.AsyncClient(timeout=30) as client:
         task_id = await killed_mid_answer(client, state, fake_model)
+        fake_model.default = Reply(text="The resumed answer.", chunk_chars=2, gap_s=0.2)  # 2 s: time to subscribe
         async with keel_process(state, fake_model.base_url) as keel:
-            assert await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"]) == "TASK_STATE_COMPLETED"
+            # A client following the task again is taken to its end.
+            request = {"jsonrpc": "2.0", "id": 1, "method": "SubscribeToTask", "params": {"id": task_id}}
+            async with client.stream("POST", keel.url, json=request, headers={"A2A-Version": "1.0"}) as stream:
+                frames = [json.loads(line[6:]) async for line in stream.aiter_lines() if line.startswith("data: ")]
+            assert frames[0]["result"]["task"]["id"] == task_id
+            assert frames[-1]["result"]["statusUpdate"]["status"]["state"] == "TASK_STATE_COMPLETED"
             got = await rpc(client, keel.url, "GetTask", {"id": task_id})
             assert got["result"]["status"]["message"]["parts"] == [{"text": "The resumed answer."}]
             await keel.terminate()
@@ -207,8 +213,9 @@ async def test_with_orphans_fail_a_task_left_working_by_a_sigkill_is_failed_with
     ],
     ids=["finishes", "outlives-the-drain"],
 )
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_sigterm_drains_the_running_task_then_exits_zero(
-    tmp_path: Path, fake_model: FakeModel, reply: Reply, drain_timeout_s: str, settled: str
+    tmp_path: Path, fake_model: FakeModel, reply: Reply, drain_timeout_s: str, settled: str, sig: signal.Signals
 ) -> None:
     fake_model.script = [reply]
     state = tmp_path / "state"
@@ -221,7 +228,7 @@ async def test_sigterm_drains_the_running_task_then_exits_zero(
         )
         task_id = sent["result"]["task"]["id"]
         await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
-        assert await keel.terminate() == 0
+        assert await keel.terminate(sig) == 0
     assert stored_task(state, task_id)[0] == settled  # type: ignore[index]
 
 
@@ -330,3 +337,17 @@ async def test_a_second_server_on_the_same_state_directory_is_refused_and_leaves
         assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
         assert await keel.terminate() == 0
 
+
+
+async def test_the_model_call_budget_set_for_the_server_bounds_each_turn(tmp_path: Path, fake_model: FakeModel) -> None:
+    fake_model.default = Reply(tool_calls=[Call("clock", "{}")])  # a model that never concludes
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        keel_process(tmp_path / "state", fake_model.base_url, "--max-model-calls", "2") as keel,
+    ):
+        sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("What time is it?")})
+        await keel.terminate()
+    status = sent["result"]["task"]["status"]
+    assert status["state"] == "TASK_STATE_FAILED"
+    assert "made its 2 model calls" in status["message"]["parts"][0]["text"]
+    assert len(fake_model.bodies) == 2

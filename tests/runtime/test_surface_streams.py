@@ -206,8 +206,10 @@ async def test_an_idle_stream_sends_keepalive_comments(fake_model: FakeModel, tm
 
 
 @BOTH
-async def test_subscribing_to_a_task_another_process_runs_says_where_to_look(keel: Served, version: str | None) -> None:
-    # What a replica sharing the database sees of a task another one is running.
+async def test_subscribing_to_an_unfinished_task_no_run_of_this_server_holds_says_where_to_look(
+    keel: Served, version: str | None
+) -> None:
+    # A task left working for the next server to resume (by a process that stopped with it so).
     elsewhere = Task(id=new_id(), context_id=new_id(), status=TaskStatus(state=TaskState.WORKING, timestamp=now()))
     await keel.tasks.create(
         ANONYMOUS, task_id=elsewhere.id, context_id=elsewhere.context_id, state="TASK_STATE_WORKING", task_json=encode(elsewhere)
@@ -217,7 +219,8 @@ async def test_subscribing_to_a_task_another_process_runs_says_where_to_look(kee
     assert state(first["result"]) in ("TASK_STATE_WORKING", "working")
     (last,) = rest
     assert last["id"] == 1 and last["error"]["code"] == -32603
-    assert elsewhere.id in last["error"]["message"] and "another server process runs it" in last["error"]["message"]
+    assert elsewhere.id in last["error"]["message"] and "no run of it is in this server" in last["error"]["message"]
+    assert "poll GetTask" in last["error"]["message"]
 
 
 # -- the stream body on its own, against a runner double ------------------------------------------
