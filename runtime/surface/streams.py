@@ -136,13 +136,14 @@ class TaskEventStream(ResponseBody):
             return
         if isinstance(event, Task):
             self._last_task = event
-        result = stream_event_to_json(event, self.version)
-        self._frames.append(encode_event(success_response(self.request_id, result)))
+        self._frames.append(self._frame(event))
         self._ended = ends_stream(event)
         if self._ended and isinstance(event, Task) and self.version is ProtocolVersion.V0_3:
             # A 0.3 client reads until final:true, which only a status update carries.
-            final = TaskStatusUpdateEvent(task_id=event.id, context_id=event.context_id, status=event.status)
-            self._frames.append(encode_event(success_response(self.request_id, stream_event_to_json(final, self.version))))
+            self._frames.append(self._frame(TaskStatusUpdateEvent(task_id=event.id, context_id=event.context_id, status=event.status)))
+
+    def _frame(self, event: StreamEvent) -> bytes:
+        return encode_event(success_response(self.request_id, stream_event_to_json(event, self.version)))
 
 
 def _updates_since(sent: Task, now: Task) -> list[StreamEvent]:
