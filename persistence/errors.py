@@ -18,17 +18,37 @@ StoreError
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class StoreError(Exception):
     """Base class for every error the stores raise."""
 
 
 class StoreClosed(StoreError):
-    def __init__(self, what: str, *, session_id: str | None = None) -> None:
+    def __init__(self, what: str, *, session_id: str | None = None, given: int = 0) -> None:
         self.what = what
         self.session_id = session_id
+        self.given = given  # messages (or events) the call was given, none of them stored
         about = "" if session_id is None else f", so session {session_id!r} was neither read nor written"
+        if given > 1:
+            about += f" (none of messages 0 to {given - 1} given was written)"
+        elif given:
+            about += " (message 0 given was not written)"
         super().__init__(f"{what} is closed{about}; open a new store to read or write it")
+
+
+@contextmanager
+def naming_session(session_id: str, *, given: int = 0) -> Iterator[None]:
+    """A closed store's error, naming the session a call was about and the messages it was given
+    (the store's writer knows only its file)."""
+    try:
+        yield
+    except StoreClosed as exc:
+        if exc.session_id is not None:
+            raise
+        raise StoreClosed(exc.what, session_id=session_id, given=given) from None
 
 
 class InvalidEvent(StoreError):

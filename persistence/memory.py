@@ -15,7 +15,15 @@ import attrs
 import trio
 
 from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt, TaskPage, TaskRecord
-from persistence.errors import MessageTaken, StoreClosed, TaskExists, TaskNotFound, TranscriptConflict, VersionConflict
+from persistence.errors import (
+    MessageTaken,
+    StoreClosed,
+    TaskExists,
+    TaskNotFound,
+    TranscriptConflict,
+    VersionConflict,
+    naming_session,
+)
 from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
 from persistence.tasks import UNFINISHED_STATES, check_page_size, decode_page_token, encode_page_token
@@ -58,6 +66,7 @@ class MemorySessionData:
     states: dict[tuple[str, ...], str] = attrs.field(factory=dict)  # by ("session", id), ("app", name), ("user", app, id)
     steers: dict[str, list[str]] = attrs.field(factory=dict)
     steer_receipts: dict[tuple[str, str], SteerReceipt] = attrs.field(factory=dict)  # by (session id, message id)
+    verified: dict[str, list[Message]] = attrs.field(factory=dict)  # a session's first events, as the messages saved
     locks: TurnLocks = attrs.field(factory=TurnLocks)
 
 
@@ -86,7 +95,8 @@ class MemorySessionStore(_Closable):
         self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
     ) -> int:
         contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes, author=author)
-        await self._enter()
+        with naming_session(session_id, given=len(contents)):
+            await self._enter()
         length = len(self.data.events.get(session_id, ()))
         if at is not None and at != length:
             raise TranscriptConflict(session_id, f"an append at position {at} does not follow the {length} stored events")
@@ -94,14 +104,23 @@ class MemorySessionStore(_Closable):
 
     async def save(self, session_id: str, messages: Sequence[Message]) -> None:
         check_session_id(session_id)
-        await self._enter()
+        with naming_session(session_id, given=len(messages)):
+            await self._enter()
         self._save_now(session_id, messages)
 
     def _save_now(self, session_id: str, messages: Sequence[Message]) -> None:
         events = self.data.events.get(session_id, [])
-        last = events[-1].content if events else None
-        contents = plan_save(session_id, messages, stored=len(events), last_stored=last, max_bytes=self.max_event_bytes)
+        verified = self.data.verified.setdefault(session_id, [])
+        contents = plan_save(
+            session_id,
+            messages,
+            stored=len(events),
+            verified=verified,
+            stored_from=lambda start: [event.content for event in events[start:]],
+            max_bytes=self.max_event_bytes,
+        )
         self._extend(session_id, contents, "agent")
+        verified.extend(messages[len(verified) :])
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         await self._enter()
@@ -144,7 +163,8 @@ class MemorySessionStore(_Closable):
         self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
     ) -> list[str]:
         check_session_id(session_id)
-        await self._enter()
+        with naming_session(session_id, given=len(messages)):
+            await self._enter()
         waiting = self.data.steers.get(session_id, [])
         if placed is not None and waiting:
             messages = [*messages, *map(placed, waiting)]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from persistence.api import SessionStore
-from persistence.errors import StoreClosed
+from persistence.errors import naming_session
 from persistence.transcript import Message
 
 
@@ -34,21 +33,21 @@ class Session:
 
     async def save(self, messages: Sequence[Message]) -> None:
         """Persist a transcript that extends the stored one; only the new messages are written."""
-        with self._naming():
+        with naming_session(self.id, given=len(messages)):
             await self.store.save(self.id, messages)
 
     async def messages(self) -> list[Message]:
-        with self._naming():
+        with naming_session(self.id):
             return await self.store.messages(self.id)
 
     async def steer(self, text: str, *, message_id: str | None = None) -> bool:
         """Leave a steer for whichever run of this session makes the next model request. With
         ``message_id``, one left before with that id is not left again (and the answer is False)."""
-        with self._naming():
+        with naming_session(self.id):
             return await self.store.add_steer(self.id, text, message_id=message_id)
 
     async def take_steers(self) -> list[str]:
-        with self._naming():
+        with naming_session(self.id):
             return await self.store.take_steers(self.id)
 
     async def save_and_take_steers(
@@ -56,15 +55,5 @@ class Session:
     ) -> list[str]:
         """Save, then take the steers waiting (saved after ``messages`` as ``placed`` makes
         them, if given), as one step: a failed save takes nothing."""
-        with self._naming():
+        with naming_session(self.id, given=len(messages)):
             return await self.store.save_and_take_steers(self.id, messages, placed=placed)
-
-    @contextmanager
-    def _naming(self) -> Iterator[None]:
-        """A closed store's error, naming this session (the store knows only its file)."""
-        try:
-            yield
-        except StoreClosed as exc:
-            if exc.session_id is not None:
-                raise
-            raise StoreClosed(exc.what, session_id=self.id) from None

@@ -28,7 +28,7 @@ from persistence.validate import (
     lone_surrogate,
     plan_save,
 )
-from persistence.errors import TranscriptConflict
+from persistence.errors import TranscriptConflict, naming_session
 
 
 def _v1(conn: sqlite3.Connection) -> None:
@@ -123,9 +123,10 @@ def _length_txn(conn: sqlite3.Connection, session_id: str) -> int:
 
 @attrs.define(eq=False)
 class SessionLengths:
-    """What the writer's connection knows of each session it wrote: its length, the content of
-    its last event, and whether it has steers waiting. An append is then one INSERT, and a save
-    (which checks that it extends what is stored, and takes the steers) reads nothing back.
+    """What the writer's connection knows of each session it wrote: its length, the messages its
+    events hold (the objects the saves were given), and whether it has steers waiting. An append
+    is then one INSERT, and a save (which checks that it extends what is stored, and takes the
+    steers) reads nothing back.
 
     Batch hooks of the group-commit writer; touched only in the pool's thread. What is known is
     trusted only while no other connection has committed (``PRAGMA data_version`` changes when
@@ -136,11 +137,12 @@ class SessionLengths:
 
     data_version: int | None = None
     known: dict[str, int] = attrs.field(factory=dict)
-    last: dict[str, str] = attrs.field(factory=dict)  # the content of the last event, for those written here
+    # The first events of a session, as messages a save was given and found (or made) them to be.
+    verified: dict[str, list[Message]] = attrs.field(factory=dict)
     no_steers: set[str] = attrs.field(factory=set)  # sessions with no steer waiting
     max_known: int = 10_000  # then forgotten: a cache, not a record of every session ever written
-    max_last_chars: int = 16 << 20  # likewise once the last events kept come to this many characters
-    last_chars: int = 0
+    max_verified_chars: int = 64 << 20  # likewise once the messages kept come to this many characters stored
+    verified_chars: int = 0
     rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
     careful: bool = False  # a savepoint per write: insert at once, inside it
     now: int = 0
@@ -151,7 +153,7 @@ class SessionLengths:
             version != self.data_version
             or len(self.known) > self.max_known
             or len(self.no_steers) > self.max_known
-            or self.last_chars > self.max_last_chars
+            or self.verified_chars > self.max_verified_chars
         ):
             self.forget()
             self.data_version = version
@@ -182,8 +184,8 @@ class SessionLengths:
 
     def forget(self) -> None:
         self.known.clear()
-        self.last.clear()
-        self.last_chars = 0
+        self.verified.clear()
+        self.verified_chars = 0
         self.no_steers.clear()
 
     def length(self, conn: sqlite3.Connection, session_id: str) -> int:
@@ -199,20 +201,31 @@ class SessionLengths:
         if self.careful:
             self.flush(conn)
         self.known[session_id] = at + len(contents)
-        if contents:
-            before = self.last.get(session_id)
-            self.last[session_id] = contents[-1]
-            self.last_chars += len(contents[-1]) - (0 if before is None else len(before))
 
-    def last_content(self, conn: sqlite3.Connection, session_id: str, length: int) -> str:
-        """The content of the session's last event (of ``length``, from ``length()``)."""
-        last = self.last.get(session_id)
-        if last is None:
-            self.flush(conn)
-            (last,) = conn.execute(
-                "SELECT content FROM events WHERE session_id = ? AND seq = ?", (session_id, length - 1)
-            ).fetchone()
-        return last
+    def verified_prefix(self, session_id: str, stored: int) -> list[Message]:
+        """The messages known to be the session's first events (of ``stored``, from ``length()``)."""
+        verified = self.verified.get(session_id)
+        if verified is None or len(verified) > stored:
+            verified = self.verified[session_id] = []
+        return verified
+
+    def stored_from(self, conn: sqlite3.Connection, session_id: str, start: int) -> list[str]:
+        """The contents of the session's events from position ``start`` on."""
+        self.flush(conn)
+        contents = [
+            content
+            for (content,) in conn.execute(
+                "SELECT content FROM events WHERE session_id = ? AND seq >= ? ORDER BY seq", (session_id, start)
+            )
+        ]
+        self.verified_chars += sum(map(len, contents))
+        return contents
+
+    def saved(self, session_id: str, messages: Sequence[Message], written: Sequence[str]) -> None:
+        """``messages`` are now the session's events, the last of them ``written`` just now."""
+        verified = self.verified[session_id]
+        verified.extend(messages[len(verified) :])
+        self.verified_chars += sum(map(len, written))
 
 
 _INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
@@ -232,10 +245,17 @@ def _save_txn(
     conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, messages: Sequence[Message], max_bytes: int
 ) -> None:
     stored = lengths.length(conn, session_id)
-    last = lengths.last_content(conn, session_id, stored) if stored else None
-    contents = plan_save(session_id, messages, stored=stored, last_stored=last, max_bytes=max_bytes)
+    contents = plan_save(
+        session_id,
+        messages,
+        stored=stored,
+        verified=lengths.verified_prefix(session_id, stored),
+        stored_from=lambda start: lengths.stored_from(conn, session_id, start),
+        max_bytes=max_bytes,
+    )
     if contents:
         lengths.insert(conn, session_id, stored, "agent", contents)
+    lengths.saved(session_id, messages, contents)
 
 
 def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str) -> list[str]:
@@ -310,13 +330,15 @@ class SqliteSessionStore(WriterBacked):
         self, session_id: str, contents: Sequence[str], *, at: int | None = None, author: str = "agent"
     ) -> int:
         contents = checked_append(session_id, contents, max_bytes=self.max_event_bytes, author=author)
-        return await self._writer.submit(_append_txn, self._lengths, session_id, contents, at, author)
+        with naming_session(session_id, given=len(contents)):
+            return await self._writer.submit(_append_txn, self._lengths, session_id, contents, at, author)
 
     async def save(self, session_id: str, messages: Sequence[Message]) -> None:
         check_session_id(session_id)
-        # No copy of the transcript: only its tail is read, inside this call (so a save costs the
-        # same at ten messages as at ten thousand).
-        await self._writer.submit(_save_txn, self._lengths, session_id, messages, self.max_event_bytes)
+        # No copy of the transcript: it is read inside this call, against what the writer knows
+        # of the session (so a save costs about the same at ten messages as at ten thousand).
+        with naming_session(session_id, given=len(messages)):
+            await self._writer.submit(_save_txn, self._lengths, session_id, messages, self.max_event_bytes)
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         rows = await self.pool.run(
@@ -339,9 +361,10 @@ class SqliteSessionStore(WriterBacked):
         self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
     ) -> list[str]:
         check_session_id(session_id)
-        return await self._writer.submit(
-            _save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes, placed
-        )
+        with naming_session(session_id, given=len(messages)):
+            return await self._writer.submit(
+                _save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes, placed
+            )
 
     async def add_steer(
         self,

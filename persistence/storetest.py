@@ -116,6 +116,34 @@ async def a_save_that_does_not_extend_the_stored_transcript_is_refused(backend: 
 
 
 @session_check
+async def a_save_that_changes_an_earlier_message_is_refused_whoever_wrote_it(backend: Backend) -> None:
+    stored = [user("q1"), answer("a1"), user("q2"), answer("a2")]
+    edited = [user("q1"), answer("a different a1"), user("q2"), answer("a2"), user("q3")]
+    async with backend.sessions() as one, backend.sessions() as two:
+        await one.save("conv-9", stored)
+        await one.append("conv-9", [user("q3").to_json()])  # an event no save of this store was given
+        stored.append(user("q3"))
+        for store in (one, two):  # the store that saved it, and one that has never seen it
+            try:
+                await store.save("conv-9", [*edited, answer("a3")])
+            except TranscriptConflict as exc:
+                assert "conv-9" in str(exc) and "message 1 " in str(exc), str(exc)
+            else:
+                raise AssertionError("a save that changes message 1 of the stored transcript was accepted")
+            edited_last = [*stored[:-1], user("a different q3"), answer("a3")]
+            try:  # the event appended, which the saving store never saved itself
+                await store.save("conv-9", edited_last)
+            except TranscriptConflict as exc:
+                assert "message 4 " in str(exc), str(exc)
+            else:
+                raise AssertionError("a save that changes message 4 of the stored transcript was accepted")
+        # Equal messages, not the same objects: the transcript extends what is stored.
+        await two.save("conv-9", [Message.from_json(m.to_json()) for m in stored] + [answer("a3")])
+        await one.save("conv-9", [*stored, answer("a3"), user("q4")])
+        assert await one.messages("conv-9") == [*stored, answer("a3"), user("q4")]
+
+
+@session_check
 async def a_session_nobody_has_used_is_empty_rather_than_an_error(backend: Backend) -> None:
     async with backend.sessions() as store:
         assert await store.messages("nobody") == []
@@ -426,23 +454,26 @@ async def text_utf8_cannot_hold_is_refused_by_name_and_index_and_fails_no_other_
 async def a_closed_store_refuses_every_call(backend: Backend) -> None:
     async with backend.sessions() as store:
         await store.save("s", [user("q")])
-    calls: list[Callable[[], Awaitable[object]]] = [
-        lambda: store.save("s", [user("q"), answer("a")]),
-        lambda: store.append("s", ["{}"]),
-        lambda: store.messages("s"),
-        lambda: store.add_steer("s", "x"),
-        lambda: store.take_steers("s"),
-        lambda: store.set_state("s", {}),
-    ]
     session = Session.open("conv-3", store)
-    calls += [lambda: session.save([user("q")]), lambda: session.messages(), lambda: session.steer("x")]
-    for number, call in enumerate(calls):
+    unread = "session {!r} was neither read nor written"
+    calls: list[tuple[Callable[[], Awaitable[object]], str]] = [  # each call, and what its error must name
+        (lambda: store.save("s", [user("q"), answer("a")]), unread.format("s") + " (none of messages 0 to 1 given"),
+        (lambda: store.save_and_take_steers("s", [user("q")]), unread.format("s") + " (message 0 given"),
+        (lambda: store.append("s", ["{}", "{}", "{}"]), unread.format("s") + " (none of messages 0 to 2 given"),
+        (lambda: store.messages("s"), ""),
+        (lambda: store.add_steer("s", "x"), ""),
+        (lambda: store.take_steers("s"), ""),
+        (lambda: store.set_state("s", {}), ""),
+        # Through a Session, every error names it.
+        (lambda: session.save([user("q"), answer("a"), user("q2")]), unread.format("conv-3") + " (none of messages 0 to 2"),
+        (lambda: session.messages(), unread.format("conv-3")),
+        (lambda: session.steer("x"), unread.format("conv-3")),
+    ]
+    for call, names in calls:
         try:
             await call()
         except StoreClosed as exc:
-            assert "closed" in str(exc)
-            if number >= len(calls) - 3:  # through a Session: the error names it
-                assert "session 'conv-3' was neither read nor written" in str(exc), str(exc)
+            assert "closed" in str(exc) and names in str(exc), str(exc)
         else:
             raise AssertionError("a closed store answered")
     async with backend.sessions() as reopened:

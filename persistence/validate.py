@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import json.scanner
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from persistence.errors import InvalidEvent, InvalidTask, StoreError, TranscriptConflict
 from persistence.transcript import Message
@@ -144,26 +145,40 @@ _TASK_COLUMNS = {"context_id": "context id", "task_json": "JSON", "message_id": 
 
 
 def plan_save(
-    session_id: str, messages: Sequence[Message], *, stored: int, last_stored: str | None, max_bytes: int
+    session_id: str,
+    messages: Sequence[Message],
+    *,
+    stored: int,
+    verified: Sequence[Message],
+    stored_from: Callable[[int], Sequence[str]],
+    max_bytes: int,
 ) -> list[str]:
     """The contents a save must append, given what is stored: only the new messages.
 
-    Checks the boundary message rather than the whole prefix, so a save costs the same at the
-    tenth message as at the ten-thousandth. Raises TranscriptConflict or InvalidEvent.
+    The whole stored transcript is checked, at a cost that does not grow with its length in
+    the usual case. ``verified`` holds messages known to equal the first stored ones (the
+    objects the earlier saves were given): the caller's are compared with them as one list
+    comparison, in C, by identity first. Only the stored events past them are read
+    (``stored_from(k)``: the contents of events k to ``stored - 1``) and compared one by one;
+    the first save a store sees of a session reads them all. Raises TranscriptConflict or
+    InvalidEvent.
     """
     if len(messages) < stored:
         raise TranscriptConflict(
             session_id, f"the transcript has {len(messages)} messages but {stored} are stored; a save must extend what is stored"
         )
-    if stored:
+    known = len(verified)  # at most ``stored``: they are stored
+    if known:
+        prefix = messages[:known]
+        if (prefix if isinstance(prefix, list) else list(prefix)) != verified:
+            _differs(session_id, next(i for i, (given, had) in enumerate(zip(messages, verified)) if given != had))
+    for index, content in enumerate(stored_from(known) if known < stored else (), start=known):
         try:
-            same = last_stored is not None and Message.from_json(last_stored) == messages[stored - 1]
+            same = Message.from_json(content) == messages[index]
         except ValueError:
             same = False
         if not same:
-            raise TranscriptConflict(
-                session_id, f"message {stored - 1} differs from the stored one; a save must extend what is stored"
-            )
+            _differs(session_id, index)
     contents = []
     for index in range(stored, len(messages)):
         message = messages[index]
@@ -173,6 +188,10 @@ def plan_save(
     check_sizes(session_id, contents, first_index=stored, max_bytes=max_bytes)
     check_text(session_id, contents, first_index=stored)
     return contents
+
+
+def _differs(session_id: str, index: int) -> NoReturn:
+    raise TranscriptConflict(session_id, f"message {index} differs from the stored one; a save must extend what is stored")
 
 
 def check_text(session_id: str, contents: Sequence[str], *, first_index: int) -> None:

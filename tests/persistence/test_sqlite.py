@@ -381,14 +381,16 @@ async def test_the_writers_cache_of_session_lengths_stays_bounded(tmp_path: Path
         assert [e.seq for e in await store.events("s3")] == [0, 1]
 
 
-async def test_the_writers_cache_of_last_events_stays_bounded_in_characters(tmp_path: Path) -> None:
-    # It keeps each session's last event to check that a save extends it without reading it back.
+async def test_the_writers_cache_of_saved_messages_stays_bounded_in_characters(tmp_path: Path) -> None:
+    # It keeps the messages each session's saves were given, to check that a save extends them
+    # without reading them back.
     async with open_session_store(tmp_path / "runtime.db") as store:
-        store._lengths.max_last_chars = 10_000
+        store._lengths.max_verified_chars = 10_000
         for k in range(50):
             await store.save(f"s{k}", [Message(role="user", text="q"), Message(role="assistant", text="x" * 1_000)])
-            assert store._lengths.last_chars <= 10_000 + 1_100
-            assert store._lengths.last_chars == sum(len(content) for content in store._lengths.last.values())
+            assert store._lengths.verified_chars <= 10_000 + 1_100
+            kept = [m for messages in store._lengths.verified.values() for m in messages]
+            assert store._lengths.verified_chars == sum(len(m.to_json()) for m in kept)
         # Forgotten or not, a save is checked against what is stored, and extends it.
         question, follow_up = Message(role="user", text="q"), Message(role="user", text="z")
         for k in range(50):
