@@ -99,6 +99,10 @@ def _unless_settled(outcome: Outcome) -> Outcome:
 
 
 CANCELED = _settle(TaskState.CANCELED, "The task was canceled.")
+OVERTAKEN = (
+    "The process running this task stopped before it finished, and its conversation has gone on since;"
+    " send the message again, with a new messageId, to ask it after what was said since."
+)
 # A run's WORKING, unless a CancelTask came first: the run finds out at its next checkpoint, but
 # it may have been inside a read that a cancellation waits for.
 WORKING = _unless_settled(lambda current: with_status(current, TaskState.WORKING))
@@ -520,13 +524,17 @@ class Runner:
             # its first step, long before another request could: no other turn comes first.)
             fresh = self._fresh.pop(task.context_id, None) == task.id
             messages = [] if fresh else await session.messages()
-            turn = _turn_of(messages, task.id)
+            turn, overtaken = _turn_of(messages, task.id)
             if not turn:
                 # The turn's first run, or its process died before the question was saved.
                 messages.append(Transcribed(role="user", text=message_text(task.history[0]), turn_id=task.id))
             elif _answered(turn):
                 # Its process died after the answer was saved but before the task said so.
                 return self._completed(live, turn[-1].text)
+            elif overtaken:
+                # Its run ended unanswered (it failed, say) and that end was never stored; the
+                # conversation has gone on since. Asked now, the model would answer the later turn.
+                return _settle(TaskState.FAILED, OVERTAKEN)
             # Otherwise a resumed run continues from the transcript as saved: the step in flight
             # when the process died is done again (see AgentRun._ask).
             #
@@ -639,17 +647,17 @@ def _answered(turn: list[Transcribed]) -> bool:
     return last.role == "assistant" and not last.tool_calls and not last.partial
 
 
-def _turn_of(messages: list[Transcribed], task_id: str) -> list[Transcribed]:
+def _turn_of(messages: list[Transcribed], task_id: str) -> tuple[list[Transcribed], bool]:
     """The task's turn in the transcript: from the question it saved up to the next turn's
-    question (a later turn can follow one whose end could not be stored, which is resumed at the
-    next start); empty if its question was never saved."""
+    question, empty if its question was never saved; and whether a later turn follows it (one
+    can, when the end of this one's run could not be stored: it is taken up at the next start)."""
     for start in range(len(messages) - 1, -1, -1):
         if messages[start].turn_id == task_id:
             end = start + 1
             while end < len(messages) and not messages[end].turn_id:
                 end += 1
-            return messages[start:end]
-    return []
+            return messages[start:end], end < len(messages)
+    return [], False
 
 
 @attrs.define(eq=False)

@@ -24,7 +24,7 @@ from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStat
 from runtime.agent import AgentSpec
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import ANONYMOUS, Runner
-from runtime.tasks import STORED_VERSION, encode, new_id, now
+from runtime.tasks import STORED_VERSION, encode, message_text, new_id, now
 
 DEADLINE_S = 10.0
 QUESTION = "Is the deploy done?"
@@ -123,9 +123,11 @@ async def test_a_turn_whose_process_died_after_saving_its_answer_completes_witho
     assert fake_model.bodies == []
 
 
-async def test_a_later_turns_answer_is_never_taken_for_an_unfinished_turns_own(tmp_path: Path, fake_model: FakeModel) -> None:
-    # The task's run ended but its end could not be stored (it stayed WORKING), and a later turn
-    # of the conversation went on: its question is followed by that later turn.
+async def test_an_unfinished_turn_that_a_later_turn_has_overtaken_fails_rather_than_answer_the_later_one(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # The task's run ended unanswered but its end could not be stored (it stayed WORKING), and a
+    # later turn of the conversation went on: its question is followed by that later turn.
     task_id = await left_by_a_dead_process(
         tmp_path,
         TaskState.WORKING,
@@ -136,11 +138,15 @@ async def test_a_later_turns_answer_is_never_taken_for_an_unfinished_turns_own(t
         ],
     )
     fake_model.default = Reply(text="Yes, at noon.")
-    async with runner_over(tmp_path, fake_model) as (runner, _, _):
+    async with runner_over(tmp_path, fake_model) as (runner, sessions, _):
         with trio.fail_after(DEADLINE_S):
             settled = await runner.wait_settled(ANONYMOUS, task_id)
-    assert settled.status.message is not None and settled.status.message.parts == (TextPart("Yes, at noon."),)
-    assert len(fake_model.bodies) == 1
+        # Not asked: the request would have ended with the later turn's answer.
+        assert fake_model.bodies == []
+        assert settled.status.state is TaskState.FAILED
+        assert settled.status.message is not None
+        assert "its conversation has gone on since" in message_text(settled.status.message)
+        assert [m.text for m in await sessions.messages("ctx-1")] == [QUESTION, "And the rollback?", "Not needed."]
 
 
 @attrs.define(eq=False)
