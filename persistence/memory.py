@@ -110,17 +110,15 @@ class MemorySessionStore(_Closable):
 
     def _save_now(self, session_id: str, messages: Sequence[Message]) -> None:
         events = self.data.events.get(session_id, [])
-        verified = self.data.verified.setdefault(session_id, [])
         contents = plan_save(
             session_id,
             messages,
             stored=len(events),
-            verified=verified,
+            verified=self.data.verified.setdefault(session_id, []),
             stored_from=lambda start: [event.content for event in events[start:]],
             max_bytes=self.max_event_bytes,
         )
         self._extend(session_id, contents, "agent")
-        verified.extend(messages[len(verified) :])
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         await self._enter()

@@ -221,11 +221,9 @@ class SessionLengths:
         self.verified_chars += sum(map(len, contents))
         return contents
 
-    def saved(self, session_id: str, messages: Sequence[Message], written: Sequence[str]) -> None:
-        """``messages`` are now the session's events, the last of them ``written`` just now."""
-        verified = self.verified[session_id]
-        verified.extend(messages[len(verified) :])
-        self.verified_chars += sum(map(len, written))
+    def written(self, contents: Sequence[str]) -> None:
+        """``contents`` were just written, and their messages kept (by ``plan_save``)."""
+        self.verified_chars += sum(map(len, contents))
 
 
 _INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
@@ -255,7 +253,7 @@ def _save_txn(
     )
     if contents:
         lengths.insert(conn, session_id, stored, "agent", contents)
-    lengths.saved(session_id, messages, contents)
+        lengths.written(contents)
 
 
 def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str) -> list[str]:

@@ -146,52 +146,69 @@ _TASK_COLUMNS = {"context_id": "context id", "task_json": "JSON", "message_id": 
 
 def plan_save(
     session_id: str,
-    messages: Sequence[Message],
+    given: Sequence[Message],
     *,
     stored: int,
-    verified: Sequence[Message],
+    verified: list[Message],
     stored_from: Callable[[int], Sequence[str]],
     max_bytes: int,
 ) -> list[str]:
     """The contents a save must append, given what is stored: only the new messages.
 
     The whole stored transcript is checked, at a cost that does not grow with its length in
-    the usual case. ``verified`` holds messages known to equal the first stored ones (the
-    objects the earlier saves were given): the caller's are compared with them as one list
-    comparison, in C, by identity first. Only the stored events past them are read
+    the usual case. ``verified`` is the store's list of messages known to equal the first
+    stored ones (the objects the saves were given): the caller's are compared with it as one
+    list comparison, in C, by identity first. Only the stored events past it are read
     (``stored_from(k)``: the contents of events k to ``stored - 1``) and compared one by one;
-    the first save a store sees of a session reads them all. Raises TranscriptConflict or
-    InvalidEvent.
+    the first save a store sees of a session reads them all. On success ``verified`` holds the
+    whole transcript as written (copies of the caller's list, whatever it holds meanwhile);
+    on failure it is as it was. Raises TranscriptConflict or InvalidEvent.
     """
-    if len(messages) < stored:
+    if not isinstance(given, list):
+        given = list(given)  # any Sequence will do: a deque, say, which cannot be sliced
+    if len(given) < stored:
         raise TranscriptConflict(
-            session_id, f"the transcript has {len(messages)} messages but {stored} are stored; a save must extend what is stored"
+            session_id, f"the transcript has {len(given)} messages but {stored} are stored; a save must extend what is stored"
         )
     known = len(verified)  # at most ``stored``: they are stored
-    if known:
-        prefix = messages[:known]
-        if (prefix if isinstance(prefix, list) else list(prefix)) != verified:
-            _differs(session_id, next(i for i, (given, had) in enumerate(zip(messages, verified)) if given != had))
-    for index, content in enumerate(stored_from(known) if known < stored else (), start=known):
-        try:
-            same = Message.from_json(content) == messages[index]
-        except ValueError:
-            same = False
-        if not same:
-            _differs(session_id, index)
-    contents = []
-    for index in range(stored, len(messages)):
-        message = messages[index]
-        if not isinstance(message, Message):
-            raise InvalidEvent(session_id, index, f"expected a Message, got {type(message).__name__}")
-        contents.append(message.to_json())
-    check_sizes(session_id, contents, first_index=stored, max_bytes=max_bytes)
-    check_text(session_id, contents, first_index=stored)
+    verified += given[known:]
+    try:
+        if known and (given[0] is not verified[0] or given[known - 1] is not verified[known - 1]):
+            # Equal messages rather than the same ones (a transcript read back, say): compared one
+            # by one this once, then kept, so that the next save compares by identity again.
+            head = given[:known]
+            if head != verified[:known]:
+                _differs(session_id, head, verified)
+            verified[:known] = head
+        elif verified != given:
+            _differs(session_id, given, verified)
+        for index, content in enumerate(stored_from(known) if known < stored else (), start=known):
+            try:
+                same = Message.from_json(content) == verified[index]
+            except ValueError:
+                same = False
+            if not same:
+                raise _conflict(session_id, index)
+        contents = []
+        for index in range(stored, len(verified)):
+            message = verified[index]
+            if not isinstance(message, Message):
+                raise InvalidEvent(session_id, index, f"expected a Message, got {type(message).__name__}")
+            contents.append(message.to_json())
+        check_sizes(session_id, contents, first_index=stored, max_bytes=max_bytes)
+        check_text(session_id, contents, first_index=stored)
+    except BaseException:
+        del verified[known:]
+        raise
     return contents
 
 
-def _differs(session_id: str, index: int) -> NoReturn:
-    raise TranscriptConflict(session_id, f"message {index} differs from the stored one; a save must extend what is stored")
+def _differs(session_id: str, given: Sequence[Message], verified: Sequence[Message]) -> NoReturn:
+    raise _conflict(session_id, next(i for i, (mine, had) in enumerate(zip(given, verified)) if mine != had))
+
+
+def _conflict(session_id: str, index: int) -> TranscriptConflict:
+    return TranscriptConflict(session_id, f"message {index} differs from the stored one; a save must extend what is stored")
 
 
 def check_text(session_id: str, contents: Sequence[str], *, first_index: int) -> None:
