@@ -150,6 +150,10 @@ class TaskStore(Protocol):
 
     async def get(self, owner: str, task_id: str) -> TaskRecord: ...
 
+    async def started_by(self, owner: str, message_id: str) -> str | None:
+        """The id of the owner's task that the message with this id started, if one did."""
+        ...
+
     async def update(
         self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
     ) -> TaskRecord:

@@ -207,23 +207,23 @@ class MemorySessionStore(_Closable):
 
 @attrs.define(eq=False)
 class MemoryTaskStore(_Closable):
-    """Tasks in a dict; pass another store's ``tasks`` and ``started_by`` to share them, as two
+    """Tasks in a dict; pass another store's ``tasks`` and ``started_by_message`` to share them, as two
     processes would."""
 
     tasks: dict[str, TaskRecord] = attrs.field(factory=dict)
-    started_by: dict[tuple[str, str], str] = attrs.field(factory=dict)  # (owner, first message id) -> task id
+    started_by_message: dict[tuple[str, str], str] = attrs.field(factory=dict)  # (owner, first message id) -> task id
 
     async def create(
         self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str, message_id: str | None = None
     ) -> TaskRecord:
         check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
         await self._enter()
-        if message_id is not None and (owner, message_id) in self.started_by:
-            raise MessageTaken(message_id, self.started_by[owner, message_id])
+        if message_id is not None and (owner, message_id) in self.started_by_message:
+            raise MessageTaken(message_id, self.started_by_message[owner, message_id])
         if task_id in self.tasks:
             raise TaskExists(task_id)
         if message_id is not None:
-            self.started_by[owner, message_id] = task_id
+            self.started_by_message[owner, message_id] = task_id
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
@@ -231,6 +231,10 @@ class MemoryTaskStore(_Closable):
         )  # fmt: skip
         self.tasks[task_id] = record
         return record
+
+    async def started_by(self, owner: str, message_id: str) -> str | None:
+        await self._enter()
+        return self.started_by_message.get((owner, message_id))
 
     async def get(self, owner: str, task_id: str) -> TaskRecord:
         await self._enter()

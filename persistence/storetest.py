@@ -630,6 +630,10 @@ async def a_message_starts_one_task_per_owner_and_a_second_start_names_the_first
             await one.create("alice", task_id=f"none-{n}", context_id="c", state=SUBMITTED, task_json="{}")
         assert await one.get("alice", "t1") == first
         assert (await two.list("alice")).total_size == 4
+        # Which task a message started, as either store finds it; another owner's is not said.
+        assert (await two.started_by("alice", "m1"), await one.started_by("bob", "m1")) == ("t1", "b1")
+        assert (await one.started_by("alice", "m3"), await one.started_by("carol", "m1")) == (None, None)
+        assert await one.started_by("alice", LONE) is None
         try:  # a taken task id is still TaskExists, whatever the message
             await one.create("alice", task_id="t1", context_id="c", state=SUBMITTED, task_json="{}", message_id="m9")
         except TaskExists:

@@ -192,6 +192,16 @@ class SqliteTaskStore(WriterBacked):
             raise TaskNotFound(task_id)
         return record_from_row(row)
 
+    async def started_by(self, owner: str, message_id: str) -> str | None:
+        if lone_surrogate(message_id) or lone_surrogate(owner):  # no such text is ever stored
+            return None
+        row = await self.pool.run(
+            lambda conn: conn.execute(
+                "SELECT id FROM tasks WHERE owner = ? AND message_id = ?", (owner, message_id)
+            ).fetchone()
+        )
+        return None if row is None else str(row[0])
+
     async def update(
         self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
     ) -> TaskRecord:

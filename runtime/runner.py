@@ -210,6 +210,10 @@ class Runner:
             raise PushNotificationNotSupported()
         if message.task_id:
             return await self._to_existing(owner, message.task_id, params)
+        if message.context_id:
+            receipt = await self.sessions.steer_receipt(message.context_id, message.message_id)
+            if receipt is not None:  # a steer sent again, without its task's id: it starts nothing
+                return await self._steered_before(owner, message, receipt)
         text = readable_text(message)
         self._refuse_if_stopping()
         task_id = new_id()
@@ -247,6 +251,22 @@ class Runner:
             )
         return _check_same(message, task.history[0], task, where)
 
+    async def _steered_before(self, owner: str, message: Message, receipt: SteerReceipt) -> Task:
+        """The task a message went to as a steer, as it stands, for that message sent again."""
+        sent_before = InvalidParams(
+            "message.messageId",
+            problem=f"{quoted(message.message_id)} was sent before, as a steer in context {message.context_id!r}; "
+            "a new message needs a new messageId",
+        )
+        if receipt.task_id is None:
+            raise sent_before
+        if not receipt.same(_as_sent(message)):
+            raise _sent_with_other_content(message, f"went to task {receipt.task_id!r}")
+        try:
+            return await self.get(owner, receipt.task_id)
+        except TaskNotFound:
+            raise sent_before from None
+
     def _refuse_oversize(self, message: Transcribed) -> None:
         """A message the conversation could not hold is refused before anything of it is stored:
         taken, its task would only fail when the run first saved the transcript."""
@@ -274,6 +294,13 @@ class Runner:
         for taken in current.history:
             if taken.message_id == message.message_id:
                 return _check_same(message, taken, current, f"went to task {task_id!r}")
+        started = await self.tasks.started_by(owner, message.message_id)
+        if started is not None:  # another task's first message (this one's is in its history)
+            raise InvalidParams(
+                "message.messageId",
+                problem=f"{quoted(message.message_id)} was sent before, and started task {started!r}; "
+                "a new message needs a new messageId",
+            )
         message = attrs.evolve(message, context_id=task.context_id)
         state = task.status.state
         ending = live is not None and live.turn_over and not state.is_terminal  # its end not yet written

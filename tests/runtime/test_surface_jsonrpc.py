@@ -485,6 +485,45 @@ async def test_a_steers_message_id_sent_to_another_task_or_with_other_words_is_r
     assert (await keel.runner.wait_settled(ANONYMOUS, second["id"])).status.state.value == "completed"
 
 
+async def test_a_steer_sent_again_without_its_task_id_gets_its_task_and_starts_nothing(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Used the staging runbook.")]
+    task = await keel.send("Fix checkout", blocking=False)
+    await keel.gate.wait_entered()
+    steer = message("Use the staging runbook", V1, taskId=task["id"])
+    await keel.result("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
+    resent = {key: value for key, value in steer.items() if key != "taskId"} | {"contextId": task["contextId"]}
+    for when in ("while it works", "after it ended"):
+        again = (await keel.result("SendMessage", {"message": resent, "configuration": {"returnImmediately": True}}))["task"]
+        assert again["id"] == task["id"], when
+        if when == "while it works":
+            keel.gate.opened.set()
+            await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    listed = await keel.result("ListTasks", {"contextId": task["contextId"]})
+    assert [t["id"] for t in listed["tasks"]] == [task["id"]], "the steer sent again started a task"
+    assert len(keel.model.bodies) == 2
+    other = {**resent, "parts": [{"text": "Use the production runbook"}]}
+    error = await keel.error("SendMessage", {"message": other})
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert f"was sent before with other content, and went to task {task['id']!r}" in error["message"]
+
+
+async def test_a_message_that_started_a_task_is_refused_as_a_steer_for_another(keel: Served) -> None:
+    keel.model.script = [Reply(text="Checkout fixed."), Reply(tool_calls=[GATE_CALL]), Reply(text="Cart fixed.")]
+    first_message = message("Fix checkout", V1)
+    first = (await keel.result("SendMessage", {"message": first_message}))["task"]
+    second = await keel.send("Then the cart", blocking=False, contextId=first["contextId"])
+    await keel.gate.wait_entered()
+    error = await keel.error("SendMessage", {"message": {**first_message, "taskId": second["id"]}})
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert f"was sent before, and started task {first['id']!r}; a new message needs a new messageId" in error["message"]
+    keel.gate.opened.set()
+    assert (await keel.runner.wait_settled(ANONYMOUS, second["id"])).status.state.value == "completed"
+    history = (await keel.result("GetTask", {"id": second["id"]}))["history"]
+    assert [m["parts"][0]["text"] for m in history] == ["Then the cart", "Cart fixed."]
+    asked = [m.get("content") or "" for m in keel.model.bodies[-1]["messages"]]
+    assert sum("Fix checkout" in text for text in asked) == 1  # the first turn's question, not a steer too
+
+
 async def test_one_steer_sent_twice_at_once_steers_once_and_is_recorded_once(keel: Served) -> None:
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Used the staging runbook.")]
     task = await keel.send("Fix checkout", blocking=False)
