@@ -99,6 +99,13 @@ def _unless_settled(outcome: Outcome) -> Outcome:
 
 
 CANCELED = _settle(TaskState.CANCELED, "The task was canceled.")
+SHUT_DOWN = _unless_settled(  # a CancelTask's CANCELED, written first, stands
+    _settle(
+        TaskState.CANCELED,
+        "The task was canceled: the server shut down before it finished. Send the message again, with a new"
+        " messageId, once the server is back.",
+    )
+)
 OVERTAKEN = (
     "The process running this task stopped before it finished, and its conversation has gone on since;"
     " send the message again, with a new messageId, to ask it after what was said since."
@@ -165,6 +172,12 @@ class Runner:
                     while self._live or self._sending.count:
                         await (self._idle.wait() if self._live else self._sending.wait_none())
                 self._drained = True
+                if self._live:
+                    left = sorted(self._live)
+                    logger.warning(
+                        "shutting down: %d task(s) did not finish within %g s and are canceled: %s%s",
+                        len(left), self.config.drain_timeout_s, ", ".join(left[:20]), ", ..." if len(left) > 20 else "",
+                    )  # fmt: skip
                 for live in list(self._live.values()):
                     live.scope.cancel()
                 # Bounded: a send's task write that has not landed by then is left SUBMITTED, for
@@ -501,7 +514,7 @@ class Runner:
                 live.close(end_stored=False)
             else:
                 if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
-                    final = CANCELED
+                    final = SHUT_DOWN if self._drained else CANCELED
                 if await self._store_end(live, _keeping_answer(live, final)):
                     live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
@@ -640,6 +653,7 @@ class Runner:
                 last_in_line[task.context_id] = queued
                 self._start(live)
                 continue
+            logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)
             reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
             await live.persist(self.tasks, _settle(TaskState.FAILED, reason))
 

@@ -200,6 +200,7 @@ async def test_with_orphans_fail_a_task_left_working_by_a_sigkill_is_failed_with
             said = got["result"]["status"]["message"]["parts"][0]["text"]
             assert "stopped before it finished" in said and "send the message again, with a new messageId" in said
             assert await keel.terminate() == 0
+        assert f"failing task {task_id} left working by a process that stopped (orphans: fail)" in keel.output.decode()
     assert len(fake_model.bodies) == asked  # failed, not resumed: the model was not asked again
 
 
@@ -230,6 +231,8 @@ async def test_sigterm_drains_the_running_task_then_exits_zero(
         await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
         assert await keel.terminate(sig) == 0
     assert stored_task(state, task_id)[0] == settled  # type: ignore[index]
+    cut = f"did not finish within {drain_timeout_s} s and are canceled: {task_id}" in keel.output.decode()
+    assert cut == (settled == "TASK_STATE_CANCELED")
 
 
 async def test_sigterm_stops_the_server_while_a_client_has_stopped_reading_its_stream(

@@ -37,7 +37,18 @@ from protocol import (
 from runtime.agent import AgentSpec
 from runtime.models import ChatRequest, Delta, TextDelta
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
-from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, answer_artifact, decode, encode, new_id, now, with_status
+from runtime.tasks import (
+    SUBSCRIBER_BUFFER,
+    LiveTask,
+    StreamItem,
+    answer_artifact,
+    decode,
+    encode,
+    message_text,
+    new_id,
+    now,
+    with_status,
+)
 from tests.runtime.agent_support import Answer, ScriptedModel, ScriptedStream
 
 
@@ -347,7 +358,7 @@ async def test_a_drain_ends_when_the_last_run_does_though_a_send_landed_during_i
 
 
 async def test_a_send_that_lands_after_the_drain_is_recorded_canceled_and_the_runner_still_stops(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     tasks = HeldCreate()
     runner = Runner(
@@ -370,6 +381,12 @@ async def test_a_send_that_lands_after_the_drain_is_recorded_canceled_and_the_ru
             await runner.wait_stopped()
     assert runner.statistics().running == 0
     assert decode(await tasks.get(ANONYMOUS, late[0].id)).status.state is TaskState.CANCELED
+    # Said so, to the client and in the log: not a CancelTask's cancel.
+    for task_id in (first.id, late[0].id):
+        said = decode(await tasks.get(ANONYMOUS, task_id)).status.message
+        assert said is not None and "the server shut down before it finished" in message_text(said)
+    cut = [r.getMessage() for r in caplog.records if "did not finish within 0.5 s and are canceled" in r.getMessage()]
+    assert len(cut) == 1 and first.id in cut[0], cut
 
 
 async def test_a_send_that_lands_after_the_runner_stopped_leaves_its_task_to_the_next_process(
