@@ -379,7 +379,13 @@ class Runner:
 
     async def get(self, owner: str, task_id: str, history_length: int | None = None) -> Task:
         live = self._live.get(task_id)
-        task = live.task if live is not None and live.owner == owner else (await load(self.tasks, owner, task_id))[0]
+        if live is not None and live.owner == owner:
+            task = live.task
+            streamed = None if task.artifacts or task.status.state.is_terminal else live.streamed_answer()
+            if streamed is not None:  # what the streams have of the answer so far, for a client that polls
+                task = attrs.evolve(task, artifacts=(streamed,))
+        else:
+            task, _ = await load(self.tasks, owner, task_id)
         return task if history_length is None else trim_history(task, history_length, STORED_VERSION)
 
     async def list_tasks(self, owner: str, params: ListTasksParams) -> ListTasksResult:
