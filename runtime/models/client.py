@@ -82,10 +82,11 @@ class ModelConfig:
 
     @property
     def endpoint(self) -> str:
-        """The base URL without credentials or query, fit for a log line."""
+        """The base URL without credentials or query, fit for a log line or an operator."""
         parts = urlsplit(self.base_url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
         port = f":{parts.port}" if parts.port else ""
-        return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
+        return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
 @asynccontextmanager
@@ -146,6 +147,11 @@ class ModelClient:
     def model(self) -> str:
         """The model every request asks for (``config.model``)."""
         return self.config.model
+
+    @property
+    def endpoint(self) -> str:
+        """Where its requests go, without credentials or query (``config.endpoint``)."""
+        return self.config.endpoint
 
     async def list_models(self) -> tuple[str, ...]:
         """The ids in the server's catalog (``GET {base}/models``). Raises a ModelError subclass."""
@@ -222,7 +228,7 @@ class ModelClient:
             error = ModelTimeout(model, "the answer to start", self.config.read_timeout_s, detail=detail, attempts=attempt)
             return _Failure(error, retry=False)
         if isinstance(exc, httpx.ConnectError):
-            return _Failure(ModelUnavailable(model, "could not connect to the model server", detail=detail, attempts=attempt), retry=True)
+            return _Failure(ModelUnavailable(model, "the model server cannot be reached", detail=detail, attempts=attempt), retry=True)
         if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
             reason = "the connection broke before the answer started"
             return _Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)

@@ -8,8 +8,10 @@ ModelError
 └── ModelBadResponse   the server answered 2xx with something that is not a chat completion
 
 ``str(error)`` is safe to show an A2A client: it is built from the model name, the HTTP status and
-this module's own words, never from the API key, the server's URL or what the server said. What
-the server or the transport said is in ``error.detail``, for logs only.
+this module's own words, never from the API key, the server's URL or what the server said. Its
+last part, why the call failed, is ``error.reason`` (without the model's name or the attempts),
+for whatever else must say why in the same words (a readiness problem). What the server or the
+transport said is in ``error.detail``, for logs only.
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ _REJECTIONS = {
 class ModelError(Exception):
     """Base class for every error the model client raises.
 
-    Attributes: ``model`` (the configured model name), ``detail`` (what the server or the transport
-    said; may hold provider text, so log it but never send it to a client), ``status`` (the HTTP
-    status, when there was one) and ``attempts`` (how many requests were sent).
+    Attributes: ``model`` (the configured model name), ``reason`` (why, in this module's words:
+    safe for a client), ``detail`` (what the server or the transport said; may hold provider
+    text, so log it but never send it to a client), ``status`` (the HTTP status, when there was
+    one) and ``attempts`` (how many requests were sent).
     """
 
-    def __init__(self, message: str, *, model: str, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
-        super().__init__(message)
+    def __init__(
+        self, model: str, headline: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1
+    ) -> None:
+        super().__init__(f"model {model!r} {headline}: {reason}{_after(attempts)}")
         self.model = model
+        self.reason = reason
         self.detail = detail
         self.status = status
         self.attempts = attempts
@@ -48,43 +54,31 @@ def _after(attempts: int) -> str:
 
 class ModelUnavailable(ModelError):
     def __init__(self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
-        super().__init__(
-            f"model {model!r} is unavailable: {reason}{_after(attempts)}",
-            model=model, detail=detail, status=status, attempts=attempts,
-        )
+        super().__init__(model, "is unavailable", reason, detail=detail, status=status, attempts=attempts)
 
 
 class ModelRateLimited(ModelError):
     def __init__(self, model: str, *, retry_after_s: float | None = None, detail: str = "", attempts: int = 1) -> None:
         wait = f"; it asked to wait {retry_after_s:g}s before trying again" if retry_after_s is not None else ""
-        super().__init__(
-            f"model {model!r} is rate limited: the server answered HTTP 429{wait}{_after(attempts)}",
-            model=model, detail=detail, status=429, attempts=attempts,
-        )
+        reason = f"the server answered HTTP 429{wait}"
+        super().__init__(model, "is rate limited", reason, detail=detail, status=429, attempts=attempts)
         self.retry_after_s = retry_after_s
 
 
 class ModelTimeout(ModelError):
     def __init__(self, model: str, waiting_for: str, timeout_s: float, *, detail: str = "", attempts: int = 1) -> None:
-        super().__init__(
-            f"model {model!r} timed out: nothing arrived within {timeout_s:g}s while waiting for {waiting_for}{_after(attempts)}",
-            model=model, detail=detail, attempts=attempts,
-        )
+        reason = f"nothing arrived within {timeout_s:g}s while waiting for {waiting_for}"
+        super().__init__(model, "timed out", reason, detail=detail, attempts=attempts)
         self.timeout_s = timeout_s
 
 
 class ModelRejected(ModelError):
     def __init__(self, model: str, status: int, *, detail: str = "", attempts: int = 1) -> None:
         meaning = _REJECTIONS.get(status, "the server refused the request")
-        super().__init__(
-            f"model {model!r} rejected the request with HTTP {status}: {meaning}",
-            model=model, detail=detail, status=status, attempts=attempts,
-        )
+        reason = f"{meaning} (HTTP {status})"
+        super().__init__(model, "rejected the request", reason, detail=detail, status=status, attempts=attempts)
 
 
 class ModelBadResponse(ModelError):
     def __init__(self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
-        super().__init__(
-            f"model {model!r} sent an answer this client cannot read: {reason}",
-            model=model, detail=detail, status=status, attempts=attempts,
-        )
+        super().__init__(model, "sent an answer this client cannot read", reason, detail=detail, status=status, attempts=attempts)

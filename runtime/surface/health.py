@@ -2,9 +2,10 @@
 
 ``/livez`` depends on nothing, so a busy or broken dependency never gets a live process
 restarted. ``/healthz`` runs every probe at once, each under its own timeout, and lists every
-problem found (it never stops at the first). A problem names a class of failure and the file
-or directory it is about; what the failure said goes to the log, never to the client, because
-it may hold a stack trace, a DSN or a model provider's words.
+problem found (it never stops at the first). A problem names a class of failure and the file,
+directory or model server it is about; what the failure said goes to the log, never to the
+client, because it may hold a stack trace, a DSN or a model provider's words. A model problem
+says why in the words the model client's errors use for A2A clients (``ModelError.reason``).
 
 The probes only read: the stores are checked through ``persistence.sqlite.inspect``, which
 opens its own read-only connection, so a probe never queues behind the traffic connection and
@@ -27,6 +28,7 @@ import trio
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.sqlite import Schema, inspect
 from persistence.tasks import TASKS_SCHEMA
+from runtime.models.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,10 @@ class ModelCatalog(Protocol):
     @property
     def model(self) -> str:
         """The model it asks for, which the catalog must offer."""
+
+    @property
+    def endpoint(self) -> str:
+        """Where it asks, as an operator may be shown it: no credentials, no query."""
 
     async def has_model(self, name: str | None = None) -> bool: ...
 
@@ -108,9 +114,9 @@ class Health:
         with trio.move_on_after(self.probe_timeout_s) as bound:
             try:
                 problem = await probe()
-            except Exception as exc:  # a probe that breaks is a problem too, named by its class only
+            except Exception:  # a probe that breaks is a problem too; how it broke is for the log
                 logger.exception("readiness: %s failed", what)
-                problem = f"{what} failed: {type(exc).__name__}"
+                problem = f"{what} failed unexpectedly (the log says how)"
         if bound.cancelled_caught:
             logger.warning("readiness: %s took longer than %g s", what, self.probe_timeout_s)
             problem = f"{what} did not finish within {self.probe_timeout_s:g} s"
@@ -144,10 +150,11 @@ class Health:
         assert self.model is not None, "only probed when configured"
         try:
             present = await self.model.has_model()
-        except Exception as exc:  # ModelError; its detail may hold provider text, so log only
-            said = getattr(exc, "detail", "")
-            logger.warning("readiness: the model catalog could not be read: %r%s", exc, f"; {said}" if said else "")
-            return f"model server unavailable: its catalog could not be read to find {self.model.model!r} ({type(exc).__name__})"
+        except ModelError as exc:  # its detail may hold provider text: the log's alone
+            said = f"; {exc.detail}" if exc.detail else ""
+            logger.warning("readiness: the model catalog could not be read: %r%s", exc, said)
+            where, name = self.model.endpoint, self.model.model
+            return f"model server unavailable: its catalog at {where} could not be read to find {name!r}: {exc.reason}"
         return None if present else f"model unavailable: {self.model.model!r} is absent from the model server's catalog"
 
 

@@ -85,6 +85,11 @@ class InstantModel:
         await trio.lowlevel.checkpoint()
         yield InstantStream(self._requests, final=self._requests >= self.steps, text=self.text, hang_s=self.slow_s if slow else None)
 
+    @property
+    def endpoint(self) -> str:
+        """Where readiness says the catalog is: there is no server."""
+        return "(in process)"
+
     async def has_model(self, name: str | None = None) -> bool:
         await trio.lowlevel.checkpoint()
         return True

@@ -13,7 +13,8 @@ import pytest
 import trio
 from fake_model import FakeModel
 
-from runtime.models import ModelClient, ModelConfig, open_model_client
+from persistence.transcript import Message
+from runtime.models import ChatRequest, ModelClient, ModelConfig, ModelRejected, open_model_client
 from runtime.surface import Health, SurfaceConfig
 from tests.runtime.served import DEADLINE_S, SYSTEM_PROMPT, Served, serve_keel
 
@@ -120,21 +121,74 @@ async def test_healthz_reports_damaged_and_foreign_databases(fake_model: FakeMod
     ]
 
 
-async def test_healthz_reports_an_unreachable_model_server_without_its_address(fake_model: FakeModel, tmp_path: Path) -> None:
-    port = closed_port()
-    async with open_model_client(ModelConfig(base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)) as unreachable:
+async def model_problems(fake_model: FakeModel, tmp_path: Path, config: ModelConfig) -> list[str]:
+    """The problems /healthz reports with its model probe asking the server ``config`` names."""
+    async with open_model_client(config) as catalog:
 
         def health_for(state_dir: Path, _model: ModelClient) -> Health:
-            return Health(state_dir=state_dir, model=unreachable)
+            return Health(state_dir=state_dir, model=catalog)
 
         async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
-            problems = await unready_problems(keel)
-    assert problems == ["model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct' (ModelUnavailable)"]
-    assert str(port) not in problems[0]
+            return await unready_problems(keel)
+
+
+async def test_healthz_says_the_model_server_cannot_be_reached_and_where_without_its_credentials(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    port = closed_port()
+    config = ModelConfig(base_url=f"http://bob:pa55w0rd@127.0.0.1:{port}/v1?key=q-secret", max_retries=0)
+    problems = await model_problems(fake_model, tmp_path, config)
+    assert problems == [
+        f"model server unavailable: its catalog at http://127.0.0.1:{port}/v1 could not be read to find 'qwen3:4b-instruct': "
+        "the model server cannot be reached"
+    ]
+    for leak in ("bob", "pa55w0rd", "q-secret", "Model"):
+        assert leak not in problems[0]
+
+
+async def test_healthz_says_the_api_key_was_refused_in_the_words_a_failed_task_uses(fake_model: FakeModel, tmp_path: Path) -> None:
+    fake_model.api_key = "sk-right-key"  # its refusal repeats the key it was given
+    config = ModelConfig(base_url=fake_model.base_url, api_key="sk-wrong-key-0002", max_retries=0)
+    problems = await model_problems(fake_model, tmp_path, config)
+    said = "the API key was refused (HTTP 401)"
+    assert problems == [f"model server unavailable: its catalog at {fake_model.base_url} could not be read to find 'qwen3:4b-instruct': {said}"]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config) as client:
+            with pytest.raises(ModelRejected) as refused:
+                await client.complete(ChatRequest([Message(role="user", text="hi")]))
+    assert str(refused.value) == f"model 'qwen3:4b-instruct' rejected the request: {said}"
+    for leak in ("sk-wrong", "Incorrect API key", "ModelRejected"):
+        assert leak not in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (b"HTTP/1.1 503 Busy\r\ncontent-length: 33\r\n\r\nGPU 0 out of memory at 0x7f3a2b10", "the server answered HTTP 503"),
+        (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", "the model or the endpoint does not exist on the server (HTTP 404)"),
+        (b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 15\r\n\r\n<html>hi</html>", "the body is not JSON"),
+    ],
+    ids=["a server error", "a refusal", "not JSON"],
+)
+async def test_healthz_says_in_plain_words_what_the_model_server_answered(
+    fake_model: FakeModel, tmp_path: Path, nursery: trio.Nursery, answer: bytes, said: str
+) -> None:
+    async def handle(stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        await stream.send_all(answer)
+
+    listeners = await nursery.start(trio.serve_tcp, handle, 0)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1"
+    problems = await model_problems(fake_model, tmp_path, ModelConfig(base_url=url, max_retries=0))
+    assert problems == [f"model server unavailable: its catalog at {url} could not be read to find 'qwen3:4b-instruct': {said}"]
+    assert "GPU" not in problems[0] and "html" not in problems[0]
 
 
 class StuckCatalog:
     model = "stuck-model"
+    endpoint = "http://stuck.example/v1"
 
     async def has_model(self, name: str | None = None) -> bool:
         await trio.sleep_forever()
@@ -147,6 +201,22 @@ async def test_healthz_bounds_each_probe(fake_model: FakeModel, tmp_path: Path) 
 
     async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
         assert await unready_problems(keel) == ["the model catalog check did not finish within 0.05 s"]
+
+
+class BrokenCatalog:
+    model = "broken-model"
+    endpoint = "http://broken.example/v1"
+
+    async def has_model(self, name: str | None = None) -> bool:
+        raise RuntimeError("a bug, at /srv/keel/secret-path")
+
+
+async def test_healthz_says_a_probe_broke_without_naming_its_exception(fake_model: FakeModel, tmp_path: Path) -> None:
+    def health_for(state_dir: Path, _model: ModelClient) -> Health:
+        return Health(state_dir=state_dir, model=BrokenCatalog())
+
+    async with serve_keel(tmp_path / "state", fake_model, health_for=health_for) as keel:
+        assert await unready_problems(keel) == ["the model catalog check failed unexpectedly (the log says how)"]
 
 
 async def test_healthz_answers_while_the_task_database_is_being_written(keel: Served) -> None:
