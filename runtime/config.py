@@ -12,11 +12,11 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import attrs
 
-from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL
+from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
 
 ORPHAN_POLICIES = ("resume", "fail")
 
@@ -86,21 +86,6 @@ def _public_url(text: str) -> str:
             "it must be an http:// or https:// URL with a host, and no credentials or query, like https://agents.example/keel"
         )
     return _url(text)
-
-
-def without_credentials(url: str) -> str:
-    """``url`` as it may be shown: what it carries before an ``@`` (a user name can be a key
-    too, and a password is one), and the values of its query (where some APIs take their key),
-    replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if "@" in netloc:
-            netloc = f"***@{netloc.rpartition('@')[2]}"
-        query = "&".join(f"{name.partition('=')[0]}=***" for name in parts.query.split("&")) if parts.query else ""
-        return urlunsplit(parts._replace(netloc=netloc, query=query))
-    except ValueError:
-        return "(not shown: it cannot be read as a URL)"
 
 
 def _state_dir(text: str) -> Path:
@@ -207,18 +192,28 @@ class Config:
         """
         flags = flags or {}
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         problems: list[str] = []
         for setting in SETTINGS:
             given = flags.get(setting.field)
-            source = setting.flag if given is not None else setting.env
+            source = setting.flag if given is not None and setting.flag is not None else setting.env
             text = given if given is not None else env.get(setting.env)
             if text is None:
                 continue
             try:
                 values[setting.field] = setting.parse(text)
+                sources[setting.field] = source
             except ValueError as exc:
                 shown = "(hidden)" if setting.secret else repr(setting.show(text))
                 problems.append(f"{source}={shown} is not valid: {exc}")
+        url = values.get("model_base_url")
+        if url is not None and values.get("model_api_key") is not None and any(url_credentials(url)):
+            # httpx would send them as HTTP Basic auth, and the key would never be sent.
+            problems.append(
+                f"{sources['model_base_url']}={without_credentials(url)!r} is not valid with AGENT_MODEL_API_KEY set: it"
+                " carries credentials (before its '@'), which would be sent in place of the key; take them out of the URL"
+                " to send the key, or unset AGENT_MODEL_API_KEY to send them (HTTP Basic auth)"
+            )
         problems.extend(unknown_settings(env))
         if problems:
             raise ConfigError(problems)

@@ -13,6 +13,8 @@ from runtime.models.client import (
     ModelClient,
     ModelConfig,
     open_model_client,
+    url_credentials,
+    without_credentials,
 )
 from runtime.models.errors import (
     ModelBadResponse,
@@ -57,4 +59,6 @@ __all__ = [
     "open_model_client",
     "request_body",
     "unicode_text",
+    "url_credentials",
+    "without_credentials",
 ]

@@ -9,6 +9,7 @@ part of the answer may already be in the caller's hands, and a second request wo
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from collections import deque
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import attrs
 import httpx
@@ -54,6 +55,28 @@ def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
         raise ValueError(f"the model base URL must be an http:// or https:// URL with a host, for example {DEFAULT_BASE_URL}")
 
 
+def without_credentials(url: str) -> str:
+    """``url`` as it may be shown: what it carries before an ``@`` (a user name can be a key
+    too, and a password is one), and the values of its query (where some APIs take their key),
+    replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            netloc = f"***@{netloc.rpartition('@')[2]}"
+        query = "&".join(f"{name.partition('=')[0]}=***" for name in parts.query.split("&")) if parts.query else ""
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:
+        return "(not shown: it cannot be read as a URL)"
+
+
+def url_credentials(url: str) -> tuple[str, str]:
+    """The user name and password ``url`` carries before its ``@``, decoded: what httpx sends
+    as HTTP Basic auth when either is not empty. ``("", "")`` when it carries none."""
+    parts = urlsplit(url)
+    return unquote(parts.username or ""), unquote(parts.password or "")
+
+
 @attrs.frozen
 class ModelConfig:
     """Where the model is and how long to wait for it.
@@ -65,7 +88,7 @@ class ModelConfig:
     takes (as a model server queues what it cannot run yet), never failing for it.
     """
 
-    base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url)
+    base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url, repr=without_credentials)
     model: str = attrs.field(default=DEFAULT_MODEL, validator=attrs.validators.min_len(1))
     api_key: str | None = attrs.field(default=None, repr=False)
     connect_timeout_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
@@ -74,6 +97,14 @@ class ModelConfig:
     backoff_base_s: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     backoff_max_s: float = attrs.field(default=8.0, validator=attrs.validators.ge(0))
     max_connections: int = attrs.field(default=100, validator=attrs.validators.ge(1))
+
+    def __attrs_post_init__(self) -> None:
+        # httpx would send the URL's credentials as HTTP Basic auth in place of the key.
+        if self.api_key and any(url_credentials(self.base_url)):
+            raise ValueError(
+                "the model base URL carries credentials (before its '@') and an API key is given too: only one can be"
+                " sent; take them out of the URL to send the key, or give no key to send them as HTTP Basic auth"
+            )
 
     def url(self, path: str) -> str:
         """``path`` under the base URL, its query (where some APIs take a version) kept."""
@@ -87,6 +118,27 @@ class ModelConfig:
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
         port = f":{parts.port}" if parts.port else ""
         return f"{parts.scheme}://{host}{port}{parts.path}"
+
+    def scrub(self, text: str) -> str:
+        """``text`` (what a server or the transport said) with the secrets of this config masked,
+        in each form a server may repeat them: the API key; the base URL's credentials as the
+        HTTP Basic token they are sent as, as ``user:password`` (decoded or as written), and the
+        password alone, or the user name alone when it comes without one (a key, then)."""
+        for secret, mask in self._secrets():
+            text = text.replace(secret, mask)
+        return text
+
+    def _secrets(self) -> list[tuple[str, str]]:
+        found = [(self.api_key, "[api key]")] if self.api_key else []
+        user, password = url_credentials(self.base_url)
+        if user or password:
+            parts = urlsplit(self.base_url)
+            written_user, written_password = parts.username or "", parts.password or ""
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()
+            alone = (password, written_password) if password else (user, written_user)
+            candidates = (token, token.rstrip("="), f"{user}:{password}", f"{written_user}:{written_password}", *alone)
+            found.extend((secret, "[credentials]") for secret in candidates if secret)
+        return found
 
 
 @asynccontextmanager
@@ -292,8 +344,8 @@ class ModelClient:
         return self._scrub(f"{type(exc).__name__}: {exc}")
 
     def _scrub(self, text: str) -> str:
-        # Some servers echo the key they refused; logs should not keep it either.
-        return text.replace(self.config.api_key, "[api key]") if self.config.api_key else text
+        # Some servers echo the key or the credentials they refused; logs should not keep them either.
+        return self.config.scrub(text)
 
 
 async def _read_at_most(

@@ -354,3 +354,25 @@ async def test_the_model_call_budget_set_for_the_server_bounds_each_turn(tmp_pat
     assert status["state"] == "TASK_STATE_FAILED"
     assert "made its 2 model calls" in status["message"]["parts"][0]["text"]
     assert len(fake_model.bodies) == 2
+
+
+async def test_credentials_in_the_model_url_are_never_logged_when_the_model_server_refuses_them(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.api_key = "sk-RIGHTKEY"  # it wants a key, and says back the Basic token it got instead
+    url = fake_model.base_url.replace("http://", "http://bob:pa55w0rd@")
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(tmp_path / "state", url) as keel:
+            health = (await client.get(keel.url + "healthz")).json()
+            task = (await rpc(client, keel.url, "SendMessage", {"message": user_message("hi")}))["result"]["task"]
+            assert await keel.terminate() == 0
+    refused = "the API key was refused (HTTP 401)"
+    assert health["problems"] == [
+        f"model server unavailable: its catalog at {fake_model.base_url} could not be read to find 'qwen3:4b-instruct': {refused}"
+    ]
+    assert task["status"]["message"]["parts"] == [{"text": f"The task failed: model 'qwen3:4b-instruct' rejected the request: {refused}"}]
+    logged = keel.output.decode()
+    assert "Incorrect API key provided: Basic [credentials]" in logged  # what the server said is kept, masked
+    for secret in ("pa55w0rd", "Ym9iOnBhNTV3MHJk", "bob:"):
+        assert secret not in logged
+    assert {item.headers["authorization"] for item in fake_model.received} == {"Basic Ym9iOnBhNTV3MHJk"}

@@ -149,3 +149,31 @@ def test_a_state_directory_that_cannot_be_reached_is_a_problem_with_the_others(t
     assert result.returncode == 1, result.stderr
     assert f"AGENT_STATE_DIR='{unreachable}' is not valid: it cannot be reached (File name too long)" in result.stderr
     assert "AGENT_PORT='99999'" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("by_flag", [True, False], ids=["flag", "environment"])
+def test_a_model_url_carrying_credentials_beside_an_api_key_is_refused_without_showing_them(by_flag: bool) -> None:
+    url = "http://bob:pa55w0rd@127.0.0.1:8000/v1"
+    env = {"AGENT_MODEL_API_KEY": "sk-RIGHTKEY"} | ({} if by_flag else {"AGENT_MODEL_BASE_URL": url})
+    with pytest.raises(ConfigError) as caught:
+        Config.load(env, {"model_base_url": url if by_flag else None})
+    source = "--model-base-url" if by_flag else "AGENT_MODEL_BASE_URL"
+    assert caught.value.problems == [
+        f"{source}='http://***@127.0.0.1:8000/v1' is not valid with AGENT_MODEL_API_KEY set: it carries credentials"
+        " (before its '@'), which would be sent in place of the key; take them out of the URL to send the key, or unset"
+        " AGENT_MODEL_API_KEY to send them (HTTP Basic auth)"
+    ]
+    for secret in ("bob", "pa55w0rd", "sk-RIGHTKEY"):
+        assert secret not in str(caught.value)
+    # Either alone is as good as before: a gateway may take basic auth, a hosted API a key.
+    assert Config.load({"AGENT_MODEL_BASE_URL": url}).model_base_url == url
+    assert Config.load(env | {"AGENT_MODEL_BASE_URL": "http://127.0.0.1:8000/v1"}).model_api_key == "sk-RIGHTKEY"
+
+
+def test_check_command_refuses_a_model_url_carrying_credentials_beside_an_api_key() -> None:
+    result = run_cli("check", "--model-base-url", "http://bob:pa55w0rd@127.0.0.1:8000/v1", env={"AGENT_MODEL_API_KEY": "sk-RIGHTKEY"})
+    assert result.returncode == 1
+    assert "--model-base-url='http://***@127.0.0.1:8000/v1' is not valid with AGENT_MODEL_API_KEY set" in result.stderr
+    assert "configuration ok" not in result.stdout
+    for secret in ("bob", "pa55w0rd", "sk-RIGHTKEY"):
+        assert secret not in result.stdout + result.stderr

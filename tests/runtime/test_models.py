@@ -739,3 +739,54 @@ async def test_what_a_server_says_mid_stream_is_kept_for_the_log_without_the_key
 def test_the_endpoint_a_log_or_an_operator_is_shown_has_no_credentials_or_query() -> None:
     assert ModelConfig(base_url="https://bob:pa55w0rd@models.example:8443/v1?key=q-1").endpoint == "https://models.example:8443/v1"
     assert ModelConfig(base_url="http://[::1]:11434/v1").endpoint == "http://[::1]:11434/v1"
+
+
+def test_a_model_config_refuses_url_credentials_beside_an_api_key_and_never_shows_them() -> None:
+    with pytest.raises(ValueError, match="carries credentials") as refused:
+        ModelConfig(base_url="http://bob:pa55w0rd@127.0.0.1:8000/v1", api_key="sk-RIGHTKEY")
+    assert "pa55w0rd" not in str(refused.value) and "sk-RIGHTKEY" not in str(refused.value)
+    config = ModelConfig(base_url="http://bob:pa55w0rd@127.0.0.1:8000/v1?key=q-secret")
+    assert "pa55w0rd" not in repr(config) and "q-secret" not in repr(config)
+
+
+async def test_url_credentials_without_an_api_key_go_as_basic_auth_and_are_never_kept_in_what_a_server_said(
+    fake_model: FakeModel,
+) -> None:
+    # As a gateway that takes basic auth is reached; one that refuses them may say them back.
+    url = fake_model.base_url.replace("http://", "http://bob:pa55w0rd@")
+    fake_model.script = [
+        Reply(text="through the gateway"),
+        ErrorReply(401, body="user bob:pa55w0rd refused: the password pa55w0rd has expired"),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0)) as client:
+            assert (await client.complete(ASK)).message.text == "through the gateway"
+            with pytest.raises(ModelRejected) as said_plainly:
+                await client.complete(ASK)
+            fake_model.api_key = "sk-RIGHTKEY"  # now it wants a key, and repeats what it got instead
+            with pytest.raises(ModelRejected, match="the API key was refused") as said_encoded:
+                await client.has_model()
+    assert fake_model.received[0].headers["authorization"] == "Basic Ym9iOnBhNTV3MHJk"  # base64 of bob:pa55w0rd
+    assert said_plainly.value.detail.endswith("user [credentials] refused: the password [credentials] has expired")
+    assert "Incorrect API key provided: Basic [credentials]" in said_encoded.value.detail
+    for error in (said_plainly.value, said_encoded.value):
+        for leak in ("pa55w0rd", "Ym9iOnBhNTV3MHJk"):
+            assert leak not in error.detail and leak not in str(error)
+
+
+@pytest.mark.parametrize(
+    ("url", "said", "kept"),
+    [
+        # Written percent-encoded, sent decoded: either may come back.
+        ("http://bob:pa%2455@models.example/v1", "bad pa%2455 / pa$55 / Basic Ym9iOnBhJDU1", "bad [credentials] / [credentials] / Basic [credentials]"),
+        # A key given as the user name is the secret itself.
+        ("https://sk-live-abc123@models.example/v1", "key sk-live-abc123 (c2stbGl2ZS1hYmMxMjM6) refused", "key [credentials] ([credentials]) refused"),
+        # A token may come back with its padding or without.
+        ("http://bob:pwd1@models.example/v1", "token Ym9iOnB3ZDE= or Ym9iOnB3ZDE", "token [credentials] or [credentials]"),
+        # With a password, the user name alone is not a secret, and is left as it is.
+        ("http://bob:pa55w0rd@models.example/v1", "bob is locked out; Basic Ym9iOnBhNTV3MHJk", "bob is locked out; Basic [credentials]"),
+    ],
+    ids=["percent-encoded", "a key as the user name", "a token without its padding", "a user name beside a password"],
+)
+def test_what_a_server_says_is_scrubbed_of_the_url_credentials_in_each_form(url: str, said: str, kept: str) -> None:
+    assert ModelConfig(base_url=url).scrub(said) == kept
