@@ -55,6 +55,12 @@ class StreamAssembler:
         # Comments (":" keep-alives) and the event, id and retry fields carry nothing we use.
         return []
 
+    @property
+    def started(self) -> bool:
+        """Whether any of the answer has arrived: text, a tool call or the finish (the opening
+        chunk that only names the assistant's role is none of it, nor is a comment)."""
+        return bool(self._text or self._held or self._calls or self._finish_reason)
+
     def end_of_stream(self) -> list[Delta]:
         """The body ended. A server that finished but sent no ``[DONE]`` is forgiven; one that
         stopped before the model finished is not."""

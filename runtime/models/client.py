@@ -314,15 +314,19 @@ class ModelClient:
         by ``read_timeout_s``; whitespace (what a gateway may send to keep a slow answer's
         connection open) does not count as more, as keep-alive comments do not in a stream."""
         model, timeout_s = self.config.model, self.config.read_timeout_s
+        pieces: list[bytes] = []
         try:
             with trio.CancelScope(deadline=trio.current_time() + timeout_s) as quiet:
-                raw = await _read_at_most(response, MAX_BODY_BYTES + 1, quiet=quiet, quiet_s=timeout_s)
+                await _read_at_most(response, MAX_BODY_BYTES + 1, quiet=quiet, quiet_s=timeout_s, into=pieces)
         except httpx.RequestError as exc:
-            raise self._broken_answer(exc) from exc
+            raise self._broken_answer(exc, started=_any_data(pieces)) from exc
         finally:
             await response.aclose()
         if quiet.cancelled_caught:
-            raise ModelTimeout(model, "the rest of the answer", timeout_s, detail="no JSON arrived, whitespace at most")
+            started = _any_data(pieces)
+            detail = "part of the JSON arrived, then whitespace at most" if started else "no JSON arrived, whitespace at most"
+            raise ModelTimeout(model, _waiting_for(started), timeout_s, detail=detail)
+        raw = b"".join(pieces)
         if len(raw) > MAX_BODY_BYTES:
             raise ModelBadResponse(model, f"the body is larger than {MAX_BODY_BYTES} bytes")
         try:
@@ -331,14 +335,16 @@ class ModelClient:
             detail = self._scrub(raw[:_DETAIL_CHARS].decode("utf-8", "replace"))
             raise ModelBadResponse(model, "the body is not JSON", detail=detail) from exc
 
-    def _broken_answer(self, exc: httpx.RequestError) -> ModelError:
-        """The error for a failure after the server answered 2xx: never retried."""
+    def _broken_answer(self, exc: httpx.RequestError, *, started: bool) -> ModelError:
+        """The error for a failure after the server answered 2xx: never retried. ``started``:
+        whether any of the answer had arrived."""
         model, detail = self.config.model, self._detail(exc)
         if isinstance(exc, httpx.TimeoutException):
-            return ModelTimeout(model, "the rest of the answer", self.config.read_timeout_s, detail=detail)
+            return ModelTimeout(model, _waiting_for(started), self.config.read_timeout_s, detail=detail)
         if isinstance(exc, httpx.DecodingError):
             return ModelBadResponse(model, "the body could not be decoded", detail=detail)
-        return ModelUnavailable(model, "the connection broke in the middle of the answer", detail=detail)
+        where = "in the middle of the answer" if started else "before the answer started"
+        return ModelUnavailable(model, f"the connection broke {where}", detail=detail)
 
     def _detail(self, exc: Exception) -> str:
         return self._scrub(f"{type(exc).__name__}: {exc}")
@@ -348,12 +354,29 @@ class ModelClient:
         return self.config.scrub(text)
 
 
+def _waiting_for(started: bool) -> str:
+    """What a timeout after a 2xx answer was waiting for: ``started``, whether any of the answer
+    had arrived (keep-alive comments, whitespace and a stream's opening role are none of it)."""
+    return "the rest of the answer" if started else "the answer to start"
+
+
+def _any_data(pieces: list[bytes]) -> bool:
+    return any(piece.strip() for piece in pieces)
+
+
 async def _read_at_most(
-    response: httpx.Response, limit: int, *, quiet: trio.CancelScope | None = None, quiet_s: float = 0.0
+    response: httpx.Response,
+    limit: int,
+    *,
+    quiet: trio.CancelScope | None = None,
+    quiet_s: float = 0.0,
+    into: list[bytes] | None = None,
 ) -> bytes:
     """The body, or its first ``limit`` bytes or so: what follows is not read. With ``quiet``,
-    its deadline moves ``quiet_s`` on each time something other than whitespace arrives."""
-    pieces, size = [], 0
+    its deadline moves ``quiet_s`` on each time something other than whitespace arrives. Each
+    piece is appended to ``into`` as it arrives, so the caller has them if the reading fails."""
+    pieces: list[bytes] = into if into is not None else []
+    size = 0
     chunks = response.aiter_bytes()
     try:
         async for piece in chunks:
@@ -487,7 +510,8 @@ class ChatStream:
             return self._pending.popleft()
         if self._assembler.done:  # the answer was whole; only what followed [DONE] was cut off
             raise StopAsyncIteration
-        raise ModelTimeout(self._client.config.model, "the rest of the answer", timeout_s, detail="only keep-alive comments arrived")
+        waiting_for, detail = _waiting_for(self._assembler.started), "no data arrived in that time, keep-alive comments at most"
+        raise ModelTimeout(self._client.config.model, waiting_for, timeout_s, detail=detail)
 
     async def _read_line(self) -> str | None:
         """The next line of the body, or None at its end."""
@@ -515,7 +539,7 @@ class ChatStream:
         except StopAsyncIteration:
             return None
         except httpx.RequestError as exc:
-            raise self._client._broken_answer(exc) from exc
+            raise self._client._broken_answer(exc, started=self._assembler.started) from exc
         finally:
             self._body_ended = ended
 

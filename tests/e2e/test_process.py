@@ -376,3 +376,22 @@ async def test_credentials_in_the_model_url_are_never_logged_when_the_model_serv
     for secret in ("pa55w0rd", "Ym9iOnBhNTV3MHJk", "bob:"):
         assert secret not in logged
     assert {item.headers["authorization"] for item in fake_model.received} == {"Basic Ym9iOnBhNTV3MHJk"}
+
+
+async def test_a_model_that_times_out_fails_the_task_saying_whether_any_of_the_answer_had_come(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [
+        Reply(text="never sent", gap_s=60),  # the opening chunk, then nothing of the answer
+        Reply(text="The lease", chunk_chars=32, hang_after_chunks=2, keepalive_s=0.05),  # some, then keep-alives
+    ]
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(tmp_path / "state", fake_model.base_url, "--model-timeout-s", "0.5") as keel:
+            said = []
+            for text in ("first", "second"):
+                task = (await rpc(client, keel.url, "SendMessage", {"message": user_message(text)}))["result"]["task"]
+                assert task["status"]["state"] == "TASK_STATE_FAILED"
+                said.append(task["status"]["message"]["parts"][0]["text"])
+            assert await keel.terminate() == 0
+    timed_out = "The task failed: model 'qwen3:4b-instruct' timed out: nothing arrived within 0.5s while waiting for"
+    assert said == [f"{timed_out} the answer to start", f"{timed_out} the rest of the answer"]

@@ -28,6 +28,7 @@ from runtime.models import (
     ModelBadResponse,
     ModelClient,
     ModelConfig,
+    ModelError,
     ModelRateLimited,
     ModelRejected,
     ModelTimeout,
@@ -323,8 +324,9 @@ async def test_rejected_request_is_not_retried(fake_model: FakeModel) -> None:
 async def test_model_missing_from_the_server_is_rejected_as_not_found(fake_model: FakeModel) -> None:
     with trio.fail_after(DEADLINE_S):
         async with open_model_client(config_for(fake_model, model="mistral:7b")) as client:
-            with pytest.raises(ModelRejected, match=r"'mistral:7b' rejected the request: the model or the endpoint does not exist on the server \(HTTP 404\)"):
+            with pytest.raises(ModelRejected, match="'mistral:7b' rejected the request: the model or the endpoint") as raised:
                 await client.complete(ASK)
+    assert raised.value.reason == "the model or the endpoint does not exist on the server (HTTP 404)"
 
 
 async def test_rate_limit_asking_for_a_longer_wait_than_the_backoff_cap_is_not_waited_for(fake_model: FakeModel) -> None:
@@ -482,9 +484,76 @@ async def test_stream_that_sends_only_keep_alive_comments_times_out_all_the_same
                     async for delta in chunks:
                         received.append(delta)
             await trio.testing.wait_all_tasks_blocked()
-    assert caught.value.detail == "only keep-alive comments arrived"
+    assert caught.value.detail == "no data arrived in that time, keep-alive comments at most"
     assert received == [TextDelta("The lease")]
     assert fake_model.disconnects == 1  # the connection was closed, not left to the server
+
+
+@pytest.mark.parametrize(
+    ("reply", "waiting_for"),
+    [
+        # The opening chunk (it only names the role), then keep-alive comments or silence: none of the answer.
+        (Reply(text="The lease", hang_after_chunks=1, keepalive_s=0.02), "the answer to start"),
+        (Reply(text="The lease", gap_s=60), "the answer to start"),
+        # Some text or a piece of a tool call, then the same: the answer stopped midway.
+        (Reply(text="The lease", chunk_chars=32, hang_after_chunks=2, keepalive_s=0.02), "the rest of the answer"),
+        (Reply(text="The lease", chunk_chars=32, hang_after_chunks=2), "the rest of the answer"),
+        (Reply(tool_calls=[Call("lookup", '{"service": "vault"}')], hang_after_chunks=3), "the rest of the answer"),
+    ],
+    ids=["keep-alives before", "silence before", "keep-alives midway", "silence midway", "a tool call midway"],
+)
+async def test_a_stream_that_times_out_says_whether_any_of_the_answer_had_arrived(
+    fake_model: FakeModel, reply: Reply, waiting_for: str
+) -> None:
+    fake_model.script = [reply]
+    received: list[Delta] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=0.3)) as client:
+            with pytest.raises(ModelTimeout) as caught:
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    assert str(caught.value) == f"model 'qwen3:4b-instruct' timed out: nothing arrived within 0.3s while waiting for {waiting_for}"
+    assert bool(received) == (waiting_for == "the rest of the answer")
+
+
+@pytest.mark.parametrize(
+    ("body", "then", "error", "said"),
+    [
+        (b"", b"", ModelTimeout, "nothing arrived within 0.3s while waiting for the answer to start"),
+        (b'{"choices": [', b"", ModelTimeout, "nothing arrived within 0.3s while waiting for the rest of the answer"),
+        (b"\n", b"\n", ModelTimeout, "nothing arrived within 0.3s while waiting for the answer to start"),
+        (b'{"choices": [', b"\n", ModelTimeout, "nothing arrived within 0.3s while waiting for the rest of the answer"),
+        (b"", None, ModelUnavailable, "the connection broke before the answer started"),
+        (b'{"choices": [', None, ModelUnavailable, "the connection broke in the middle of the answer"),
+    ],
+    ids=["silence", "silence midway", "whitespace", "whitespace midway", "closed", "closed midway"],
+)
+async def test_a_whole_answer_that_stops_says_whether_any_of_it_had_arrived(
+    nursery: trio.Nursery, body: bytes, then: bytes | None, error: type[ModelError], said: str
+) -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+
+    async def handle(stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        try:
+            await stream.send_all(head + body)
+            while then is not None:  # None: the server closes the connection, the body unfinished
+                if then:
+                    await stream.send_all(then)
+                await trio.sleep(0.02)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client gave up
+
+    listeners = await nursery.start(trio.serve_tcp, handle, 0)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1"
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0, read_timeout_s=0.3)) as client:
+            with pytest.raises(error) as caught:
+                await client.complete(ASK)
+    assert caught.value.reason == said
 
 
 async def test_a_server_that_will_not_stream_is_read_as_one_answer_all_the_same(fake_model: FakeModel) -> None:
@@ -658,7 +727,7 @@ async def test_a_whole_answer_kept_alive_with_whitespace_is_read_if_it_comes_wit
             if kept_alive_s is not None:
                 assert (await client.complete(ASK)).message.text == "late but whole"
             else:
-                with pytest.raises(ModelTimeout, match="within 1s"):
+                with pytest.raises(ModelTimeout, match="within 1s while waiting for the answer to start"):
                     await client.complete(ASK)
 
 
