@@ -153,8 +153,9 @@ class Health:
         except ModelError as exc:  # its detail may hold provider text: the log's alone
             said = f"; {exc.detail}" if exc.detail else ""
             logger.warning("readiness: the model catalog could not be read: %r%s", exc, said)
-            where, name = self.model.endpoint, self.model.model
-            return f"model server unavailable: its catalog at {where} could not be read to find {name!r}: {exc.reason}"
+            # Its address stays in the log and in `check`: to a client it is a connection string.
+            name = self.model.model
+            return f"model server unavailable: its catalog could not be read to find {name!r}: {exc.reason}"
         return None if present else f"model unavailable: {self.model.model!r} is absent from the model server's catalog"
 
 

@@ -368,7 +368,7 @@ async def test_credentials_in_the_model_url_are_never_logged_when_the_model_serv
             assert await keel.terminate() == 0
     refused = "the API key was refused (HTTP 401)"
     assert health["problems"] == [
-        f"model server unavailable: its catalog at {fake_model.base_url} could not be read to find 'qwen3:4b-instruct': {refused}"
+        f"model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct': {refused}"
     ]
     assert task["status"]["message"]["parts"] == [{"text": f"The task failed: model 'qwen3:4b-instruct' rejected the request: {refused}"}]
     logged = keel.output.decode()
