@@ -1,5 +1,6 @@
 # Sourced by scripts/serve and scripts/test: creates .venv on first use and installs the project
-# (with the extras named in KEEL_EXTRAS) again only when pyproject.toml has changed since.
+# (with the extras named in KEEL_EXTRAS) again only when pyproject.toml has changed since. It sets
+# $root to the repository and puts .venv first on PATH; it leaves the working directory alone.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
@@ -18,4 +19,3 @@ if ! grep -qsx "$hash" "$stamp" && { [ -n "$extras" ] || ! grep -qsx "$hash" "$v
     echo "$hash" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
-cd "$root"

@@ -63,8 +63,16 @@ def child_env() -> dict[str, str]:
 @asynccontextmanager
 async def keel_process(state_dir: Path, model_url: str, *extra: str) -> AsyncIterator[KeelProcess]:
     """Start the server and wait for it to say where it serves; kill it if still running after."""
+    async with started_keel(serve_command(state_dir, model_url, *extra)) as keel:
+        yield keel
+
+
+@asynccontextmanager
+async def started_keel(command: Sequence[str], *, cwd: Path | None = None) -> AsyncIterator[KeelProcess]:
+    """Run ``command`` (a serve, however it is started) in ``cwd`` and wait for it to say where it
+    serves; kill it if still running after."""
     process = await trio.lowlevel.open_process(
-        serve_command(state_dir, model_url, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+        list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env(), cwd=cwd
     )
     keel = KeelProcess(process)
     try:

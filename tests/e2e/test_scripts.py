@@ -1,0 +1,42 @@
+"""The scripts the README runs, run as a user runs them: from a directory of the user's own."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fake_model import FakeModel
+from tests.e2e.harness import started_keel
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv"
+
+# A script builds .venv (and installs Keel in it) when it is missing or out of date; run from the
+# suite, it must find it ready, as it does under ./scripts/test, which runs the suite there.
+in_the_scripts_venv = pytest.mark.skipif(
+    not VENV.is_dir() or Path(sys.prefix).resolve() != VENV.resolve(),
+    reason="the suite is not running in this checkout's .venv (./scripts/test runs it there)",
+)
+
+
+@in_the_scripts_venv
+async def test_scripts_serve_keeps_a_relative_state_dir_in_the_directory_it_is_called_from(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    name = f"state-{uuid.uuid4().hex}"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    command = [str(ROOT / "scripts" / "serve"), "--port", "0", "--state-dir", name, "--model-base-url", fake_model.base_url]
+    try:
+        async with started_keel(command, cwd=mine) as keel, httpx.AsyncClient() as client:
+            assert (await client.get(keel.url + "livez")).json() == {"status": "alive"}
+            assert await keel.terminate() == 0
+        assert not (ROOT / name).exists(), "the state directory was made in the repository"
+        assert sorted(path.name for path in (mine / name).glob("*.db")) == ["runtime.db", "tasks.db"]
+    finally:
+        shutil.rmtree(ROOT / name, ignore_errors=True)  # where a script that moved to the repository put it
