@@ -2,13 +2,17 @@
 
 Nothing below ``main`` reads the environment: the CLI builds a Config with ``Config.load`` and
 passes it down. Every problem is collected, so ``python -m runtime check`` can print them all at
-once; values of secrets never appear in a message.
+once; values of secrets never appear in a message. ``check`` also probes what only trying tells
+(``Config.load(..., probe=True)``): that serve could listen on the host and create its state
+directory, leaving nothing behind.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import socket
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,9 @@ class Setting:
     help: str
     secret: bool = False  # its value is never shown
     show: Callable[[str], str] = str  # how its value is shown (in `check`, and in problems)
+    # What only trying tells about a parsed value (`check` runs it): raises ValueError saying
+    # what is wrong, and leaves nothing behind.
+    probe: Callable[[Any], None] | None = None
 
 
 def _whole(text: str, low: int, high: int, what: str) -> int:
@@ -109,6 +116,42 @@ def _writable_dir(path: Path) -> Path:
     return path
 
 
+PROBE_PREFIX = ".keel-check-"  # what a probe makes, for as long as it takes to remove it
+
+
+def _can_make_state_dir(path: Path) -> None:
+    """What serve will do, tried: make a file in the directory, or, when it does not exist yet,
+    make a directory in the nearest one that does, where serve would create it. Permissions do
+    not tell (root passes every check, and /proc takes no new directory whoever asks); what is
+    made is removed at once."""
+    absolute = path.absolute()
+    existing = next(p for p in (absolute, *absolute.parents) if p.exists())
+    try:
+        if existing == absolute:
+            fd, made = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=existing)
+            os.close(fd)
+            os.unlink(made)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=existing))
+    except OSError as exc:
+        if existing == absolute:
+            raise ValueError(f"no file can be made in it ({exc.strerror or exc})") from None
+        raise ValueError(f"no directory can be made in {existing}, so it cannot be created ({exc.strerror or exc})") from None
+
+
+def _can_listen_on(host: str) -> None:
+    """Bind a socket to the host as serve's HTTP server binds it (brackets dropped; IPv6 when it
+    holds a colon), on a port the system picks: a name that does not resolve, or an address that
+    is not this machine's, fails here as it would there. The port is serve's to try: another
+    process may hold it now (a server this one is to replace) and not then."""
+    bare = host.replace("[", "").replace("]", "")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((bare, 0))
+    except OSError as exc:  # socket.gaierror included: a name that does not resolve
+        raise ValueError(f"serve could not listen on it ({exc.strerror or exc})") from None
+
+
 def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("it must not be empty")
@@ -133,9 +176,9 @@ def _orphans(text: str) -> str:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("host", "AGENT_HOST", _non_empty, "--host", "address to listen on"),
+    Setting("host", "AGENT_HOST", _non_empty, "--host", "address to listen on", probe=_can_listen_on),
     Setting("port", "AGENT_PORT", _port, "--port", "port to listen on (0: any free port)"),
-    Setting("state_dir", "AGENT_STATE_DIR", _state_dir, "--state-dir", "where the databases live"),
+    Setting("state_dir", "AGENT_STATE_DIR", _state_dir, "--state-dir", "where the databases live", probe=_can_make_state_dir),
     Setting(
         "model_base_url", "AGENT_MODEL_BASE_URL", _url, "--model-base-url", "an OpenAI-compatible API",
         show=without_credentials,
@@ -183,28 +226,32 @@ class Config:
     cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state
 
     @classmethod
-    def load(cls, env: Mapping[str, str], flags: Mapping[str, str | None] | None = None) -> Config:
+    def load(cls, env: Mapping[str, str], flags: Mapping[str, str | None] | None = None, *, probe: bool = False) -> Config:
         """Build from environment variables, each overridden by its flag when given.
 
         ``flags`` maps Config field names to the text given on the command line. Unknown
         AGENT_* variables are problems too (a misspelt setting must not be silently ignored).
+        With ``probe``, each value read (the default ones too) is also tried as serve will use it.
         Raises ConfigError listing every problem.
         """
         flags = flags or {}
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         problems: list[str] = []
+        defaults = cls()
         for setting in SETTINGS:
             given = flags.get(setting.field)
             source = setting.flag if given is not None and setting.flag is not None else setting.env
             text = given if given is not None else env.get(setting.env)
-            if text is None:
-                continue
             try:
-                values[setting.field] = setting.parse(text)
-                sources[setting.field] = source
+                if text is not None:
+                    values[setting.field] = setting.parse(text)
+                    sources[setting.field] = source
+                if probe and setting.probe is not None:
+                    setting.probe(values.get(setting.field, getattr(defaults, setting.field)))
             except ValueError as exc:
-                shown = "(hidden)" if setting.secret else repr(setting.show(text))
+                said = str(getattr(defaults, setting.field)) if text is None else text  # a default is probed too
+                shown = "(hidden)" if setting.secret else repr(setting.show(said))
                 problems.append(f"{source}={shown} is not valid: {exc}")
         url = values.get("model_base_url")
         if url is not None and values.get("model_api_key") is not None and any(url_credentials(url)):
@@ -231,5 +278,28 @@ def unknown_settings(env: Mapping[str, str]) -> list[str]:
     return problems
 
 
+BACKUP_ROOT_ENV = "AGENT_BACKUP_ROOT"  # read by `state snapshot`, shown and checked by `check`
+
 # AGENT_* variables read by other commands (state snapshots), valid in the environment too.
-EXTRA_KNOWN = {"AGENT_BACKUP_ROOT"}
+EXTRA_KNOWN = {BACKUP_ROOT_ENV}
+
+
+def default_backup_root(state_dir: Path) -> Path:
+    """Where snapshots of ``state_dir`` go unless told otherwise: beside it, ``<state-dir>-backups``."""
+    absolute = state_dir.absolute()
+    return absolute.parent / f"{absolute.name}-backups"
+
+
+def backup_root(env: Mapping[str, str], state_dir: Path | None) -> Path | None:
+    """Where ``state snapshot`` puts snapshots without ``--backup-root``: AGENT_BACKUP_ROOT, else
+    the default beside ``state_dir`` (None when the state directory is not known). Raises
+    ValueError for a value snapshot would refuse: empty, or inside the state directory."""
+    text = env.get(BACKUP_ROOT_ENV)
+    if text is None:
+        return None if state_dir is None else default_backup_root(state_dir)
+    if not text.strip():
+        raise ValueError("it must not be empty; unset it for the default, <state-dir>-backups beside the state directory")
+    root = Path(text)
+    if state_dir is not None and root.resolve().is_relative_to(state_dir.resolve()):
+        raise ValueError("it is inside the state directory; snapshots must go outside it")
+    return root

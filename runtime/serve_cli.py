@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from persistence.errors import StoreError
-from runtime.config import SETTINGS, Config, ConfigError
+from runtime.config import BACKUP_ROOT_ENV, SETTINGS, Config, ConfigError, backup_root
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,23 +41,39 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(setting.flag, dest=setting.field, metavar="VALUE", help=f"{setting.help} (${setting.env})")
 
 
-def _load(args: argparse.Namespace) -> Config:
+def _load(args: argparse.Namespace, *, probe: bool = False) -> Config:
     flags = {s.field: getattr(args, s.field, None) for s in SETTINGS if s.flag is not None}
-    return Config.load(os.environ, flags)
+    return Config.load(os.environ, flags, probe=probe)
+
+
+NOT_SET = "(not set)"
 
 
 def _check(args: argparse.Namespace) -> int:
+    """Every setting as serve would take it, tried where only trying tells (the host, the state
+    directory), and AGENT_BACKUP_ROOT as `state snapshot` would take it; each printed, a value
+    not set as (not set), or every problem on stderr and exit 1."""
+    problems: list[str] = []
+    config: Config | None = None
     try:
-        config = _load(args)
+        config = _load(args, probe=True)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        problems.extend(exc.problems)
+    try:
+        backups = backup_root(os.environ, None if config is None else config.state_dir)
+    except ValueError as exc:
+        problems.append(f"{BACKUP_ROOT_ENV}={os.environ.get(BACKUP_ROOT_ENV)!r} is not valid: {exc}")
+    if problems or config is None:
+        print(f"error: {ConfigError(problems)}", file=sys.stderr)
         return 1
-    shown: dict[str, Any] = {s.field: getattr(config, s.field) for s in SETTINGS}
     for setting in SETTINGS:
-        value = shown[setting.field]
-        if setting.secret:
-            value = "(not set)" if value is None else "(set)"
-        print(f"{setting.env}={setting.show(str(value))}")
+        value = getattr(config, setting.field)
+        if value is None:
+            shown = NOT_SET
+        else:
+            shown = "(set)" if setting.secret else setting.show(str(value))
+        print(f"{setting.env}={shown}")
+    print(f"{BACKUP_ROOT_ENV}={backups}")
     print("configuration ok")
     return 0
 

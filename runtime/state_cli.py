@@ -17,6 +17,7 @@ from persistence.recovery import recover
 from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
 from persistence.statedir import StateError
+from runtime.config import BACKUP_ROOT_ENV, default_backup_root
 
 DEFAULT_STATE_DIR = ".state"
 DEFAULT_KEEP = 7
@@ -103,10 +104,9 @@ def _state_dir(args: argparse.Namespace) -> Path:
 
 def _backup_root(args: argparse.Namespace, state_dir: Path) -> Path:
     given: Path | None = args.backup_root
-    if given or (given := _env_path("AGENT_BACKUP_ROOT")):
+    if given or (given := _env_path(BACKUP_ROOT_ENV)):
         return given
-    absolute = state_dir.absolute()
-    return absolute.parent / f"{absolute.name}-backups"
+    return default_backup_root(state_dir)
 
 
 def _app_version() -> str:

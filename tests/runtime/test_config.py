@@ -177,3 +177,69 @@ def test_check_command_refuses_a_model_url_carrying_credentials_beside_an_api_ke
     assert "configuration ok" not in result.stdout
     for secret in ("bob", "pa55w0rd", "sk-RIGHTKEY"):
         assert secret not in result.stdout + result.stderr
+
+
+def test_check_refuses_a_state_directory_serve_could_not_create_even_as_root(tmp_path: Path) -> None:
+    where = "/proc/keel-state"  # /proc takes no new directories, whoever asks: permissions alone say yes to root
+    result = run_cli("check", env={"AGENT_STATE_DIR": where})
+    assert result.returncode == 1, result.stdout
+    assert f"AGENT_STATE_DIR='{where}' is not valid: " in result.stderr
+    assert "configuration ok" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_check_tries_the_state_directory_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    existing = tmp_path / "state"
+    existing.mkdir()
+    for state_dir in (existing, tmp_path / "new" / "state"):
+        result = run_cli("check", env={"AGENT_STATE_DIR": str(state_dir)})
+        assert result.returncode == 0, result.stderr
+        assert f"AGENT_STATE_DIR={state_dir}" in result.stdout
+    assert [path.name for path in tmp_path.iterdir()] == ["state"]
+    assert list(existing.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("host", "said"),
+    [
+        ("999.1.1.1", "serve could not listen on it ("),  # no address, so a name; none resolves so
+        ("not.a.host.invalid", "serve could not listen on it ("),  # .invalid never resolves
+        ("192.0.2.1", "serve could not listen on it (Cannot assign requested address)"),  # not this machine's
+    ],
+)
+def test_check_refuses_a_host_serve_could_not_listen_on(tmp_path: Path, host: str, said: str) -> None:
+    result = run_cli("check", env={"AGENT_HOST": host, "AGENT_STATE_DIR": str(tmp_path)})
+    assert result.returncode == 1, result.stdout
+    assert f"AGENT_HOST='{host}' is not valid: {said}" in result.stderr
+
+
+def test_check_accepts_a_host_of_this_machine_whatever_holds_the_port(tmp_path: Path) -> None:
+    result = run_cli("check", env={"AGENT_HOST": "localhost", "AGENT_PORT": "1", "AGENT_STATE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "AGENT_HOST=localhost" in result.stdout
+
+
+def test_check_shows_every_setting_not_set_alike_and_where_snapshots_go(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    result = run_cli("check", env={"AGENT_STATE_DIR": str(state)})
+    assert result.returncode == 0, result.stderr
+    assert "AGENT_PUBLIC_URL=(not set)" in result.stdout and "AGENT_MODEL_API_KEY=(not set)" in result.stdout
+    assert "None" not in result.stdout
+    assert f"AGENT_BACKUP_ROOT={tmp_path / 'state-backups'}" in result.stdout
+    vault = tmp_path / "vault"
+    result = run_cli("check", env={"AGENT_STATE_DIR": str(state), "AGENT_BACKUP_ROOT": str(vault)})
+    assert f"AGENT_BACKUP_ROOT={vault}" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("root", "said"),
+    [
+        ("", "it must not be empty; unset it for the default, <state-dir>-backups beside the state directory"),
+        ("{state}/backups", "it is inside the state directory; snapshots must go outside it"),
+    ],
+)
+def test_check_refuses_a_backup_root_snapshot_would_refuse(tmp_path: Path, root: str, said: str) -> None:
+    state = tmp_path / "state"
+    root = root.format(state=state)
+    result = run_cli("check", env={"AGENT_STATE_DIR": str(state), "AGENT_BACKUP_ROOT": root})
+    assert result.returncode == 1, result.stdout
+    assert f"AGENT_BACKUP_ROOT='{root}' is not valid: {said}" in result.stderr
