@@ -7,6 +7,11 @@ discarded when it was torn before it could say anything, as is a restore killed 
 before it wrote a journal at all (nothing live was moved yet). Anything else (residue the journal does
 not own, evidence that matches neither generation, a journal with missing or extra fields) raises
 RecoveryError and leaves the journal and the evidence where they are, for the operator.
+
+Recovery reads the directory's entries and, when a restore left residue, the journal and the
+hashes of the files it names. It never opens a database: a database damaged some other way (a
+file that is not SQLite, say) is not its to find, and a directory with no database at all has
+nothing to recover.
 """
 
 from __future__ import annotations
@@ -68,26 +73,31 @@ class RecoveryOutcome:
     def __str__(self) -> str:
         txid = self.transaction_id
         return {
-            RecoveryAction.FIRST_BOOT: "no state directory yet: a clean first boot",
-            RecoveryAction.CLEAN: "one complete generation is live; nothing to recover",
-            RecoveryAction.ROLLED_FORWARD: f"finished restore {txid}: the restored generation is live",
-            RecoveryAction.ROLLED_BACK: f"rolled back restore {txid}: the previous generation is live, byte for byte",
-            RecoveryAction.DISCARDED: f"discarded restore {txid}, which never began to replace live state",
+            RecoveryAction.FIRST_BOOT: "no state directory yet: nothing to recover (serve creates it)",
+            RecoveryAction.CLEAN: "nothing to recover: no restore was interrupted",
+            RecoveryAction.ROLLED_FORWARD: f"finished restore {txid}: the databases it restored are live",
+            RecoveryAction.ROLLED_BACK: f"rolled back restore {txid}: the databases from before it are live again, byte for byte",
+            RecoveryAction.DISCARDED: f"discarded restore {txid}, which had not begun to replace the live databases",
         }[self.action]
 
 
 def recover(state_dir: Path) -> RecoveryOutcome:
     """Bring the state directory back to one complete generation, or refuse.
 
-    Blocks while another process holds the generation lock (a snapshot, restore or recovery in
-    progress). A missing directory is a clean first boot and is not created. Raises RecoveryError
-    when the directory cannot be accounted for, and StateBusy when there is something to recover
-    but a running process holds the directory.
+    A missing directory is a clean first boot and is not created. A directory with no restore
+    residue has nothing to recover, and is left as it is (no lock file is made in it): a restore
+    makes its residue before it touches a live file and removes its journal last, so none is
+    unfinished there, whatever runs now. Otherwise blocks while another process holds the
+    generation lock (a snapshot, restore or recovery in progress). Raises RecoveryError when the
+    directory cannot be accounted for, and StateBusy when there is something to recover but a
+    running process holds the directory.
     """
     if not os.path.lexists(state_dir):
         return RecoveryOutcome(RecoveryAction.FIRST_BOOT)
     if not state_dir.is_dir() or state_dir.is_symlink():
         raise RecoveryError(f"the state directory {state_dir} is not a directory")
+    if not _residue(state_dir):
+        return RecoveryOutcome(RecoveryAction.CLEAN)
     with generation_lock(state_dir):
         return recover_locked(state_dir, exclusive_held=False)
 
@@ -143,7 +153,7 @@ def hold_state_dir(state_dir: Path) -> HeldStateDir:
 
 def recover_locked(state_dir: Path, *, exclusive_held: bool) -> RecoveryOutcome:
     """``recover`` for a caller that already holds the generation lock (and maybe ``.keel.lock``)."""
-    residue = sorted(name for name in os.listdir(state_dir) if name.startswith(RESIDUE_PREFIX))
+    residue = _residue(state_dir)
     if not residue:
         return RecoveryOutcome(RecoveryAction.CLEAN)
     with ExitStack() as stack:
@@ -172,6 +182,11 @@ def _recover_journal(state_dir: Path, journal: Journal, residue: list[str]) -> R
         publish_journal(state_dir, journal, rename=os.replace)
     execute_rollback(state_dir, journal, plan, rename=os.replace)
     return RecoveryOutcome(RecoveryAction.ROLLED_BACK, journal.transaction_id)
+
+
+def _residue(state_dir: Path) -> list[str]:
+    """What a restore leaves in the directory while it works, sorted."""
+    return sorted(name for name in os.listdir(state_dir) if name.startswith(RESIDUE_PREFIX))
 
 
 def _staged_only(residue: list[str]) -> str | None:

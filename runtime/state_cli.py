@@ -13,10 +13,10 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from persistence.recovery import recover
+from persistence.recovery import RecoveryAction, recover
 from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
-from persistence.statedir import StateError
+from persistence.statedir import StateError, is_db_name
 from runtime.config import BACKUP_ROOT_ENV, default_backup_root
 
 DEFAULT_STATE_DIR = ".state"
@@ -148,7 +148,17 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _recover(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args)
-    print(f"{state_dir}: {recover(state_dir)}")
+    outcome = recover(state_dir)
+    if outcome.action is not RecoveryAction.CLEAN:
+        print(f"{state_dir}: {outcome}")
+        return 0
+    # Recovery never opens a database; say which are there, and that what they hold is unchecked.
+    databases = sorted(name for name in os.listdir(state_dir) if is_db_name(name))
+    if databases:
+        found = f"its databases ({', '.join(databases)}) were not opened: what they hold is not checked"
+    else:
+        found = "it holds no databases (a server started on it begins with no tasks or conversations)"
+    print(f"{state_dir}: {outcome}; {found}")
     return 0
 
 

@@ -187,3 +187,43 @@ def test_a_state_command_the_file_system_refuses_says_why_without_a_traceback(tm
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr, result.stderr
     assert "a-file" in result.stderr and "Not a directory" in result.stderr
+
+
+NOTHING_TO_RECOVER = "nothing to recover: no restore was interrupted"
+NO_DATABASES = "it holds no databases (a server started on it begins with no tasks or conversations)"
+
+
+def test_state_recover_on_a_directory_without_databases_says_so_and_makes_nothing_there(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    result = keel(tmp_path, "state", "recover", "--state-dir", str(empty))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{empty}: {NOTHING_TO_RECOVER}; {NO_DATABASES}"
+    assert list(empty.iterdir()) == []  # not even a lock file
+
+
+def test_state_recover_after_a_reset_says_the_databases_are_gone(tmp_path: Path) -> None:
+    live_state(tmp_path)
+    reset = keel(tmp_path, "state", "reset")
+    assert reset.returncode == 0, reset.stderr
+
+    result = keel(tmp_path, "state", "recover")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f".state: {NOTHING_TO_RECOVER}; {NO_DATABASES}"
+
+
+def test_state_recover_says_it_does_not_check_what_the_databases_hold(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    (state / "tasks.db").write_bytes(b"not a database\n" * 512)
+
+    result = keel(tmp_path, "state", "recover")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        f".state: {NOTHING_TO_RECOVER}; its databases (runtime.db, tasks.db) were not opened: what they hold is not checked"
+    )
+    snapshot = keel(tmp_path, "state", "snapshot")  # what does open them finds the damage
+    assert snapshot.returncode == 1 and "tasks.db" in snapshot.stderr, snapshot.stderr
