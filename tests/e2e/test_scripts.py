@@ -8,7 +8,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-import pytest
 
 from fake_model import FakeModel
 from tests.e2e.harness import started_keel
@@ -16,18 +15,13 @@ from tests.e2e.harness import started_keel
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
 
-# A script builds .venv (and installs Keel in it) when it is missing or out of date; run from the
-# suite, it must find it ready, as it does under ./scripts/test, which runs the suite there.
-in_the_scripts_venv = pytest.mark.skipif(
-    not VENV.is_dir() or Path(sys.prefix).resolve() != VENV.resolve(),
-    reason="the suite is not running in this checkout's .venv (./scripts/test runs it there)",
-)
 
-
-@in_the_scripts_venv
 async def test_scripts_serve_keeps_a_relative_state_dir_in_the_directory_it_is_called_from(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
+    # A script builds .venv (and installs Keel in it) when it is missing or out of date; run from
+    # the suite, it must find it ready, as it does under ./scripts/test, which runs the suite there.
+    assert Path(sys.prefix).resolve() == VENV.resolve(), "run the suite with ./scripts/test, in this checkout's .venv"
     name = f"state-{uuid.uuid4().hex}"
     mine = tmp_path / "mine"
     mine.mkdir()
