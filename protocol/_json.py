@@ -161,7 +161,7 @@ class JsonReader:
             return None
         moment = _as_timestamp(found)
         if moment is None:
-            raise InvalidParams(self.at(key), "an RFC 3339 timestamp with a time zone", got=found)
+            raise InvalidParams(self.at(key), "an RFC 3339 timestamp with a time zone, from year 1 to 9999 in UTC", got=found)
         return moment
 
     def base64(self, key: str) -> bytes:
@@ -205,4 +205,7 @@ def _as_timestamp(value: object) -> datetime | None:
         return None
     if moment.tzinfo is None:
         return None
-    return moment.astimezone(timezone.utc)
+    try:
+        return moment.astimezone(timezone.utc)
+    except OverflowError:  # its offset takes it past year 1 or 9999 in UTC
+        return None

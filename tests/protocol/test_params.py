@@ -149,6 +149,14 @@ def test_list_tasks_status_may_be_an_enum_number_and_unspecified_is_no_filter() 
     assert "'status' must be one of" in complaint(ListTasksParams, {"status": True})
 
 
+@pytest.mark.parametrize("moment", ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-01:00", "2026-11-29T22:00:00", "yesterday"])
+def test_list_tasks_timestamp_it_cannot_take_names_the_field(moment: str) -> None:
+    assert complaint(ListTasksParams, {"statusTimestampAfter": moment}) == (
+        "invalid params: 'statusTimestampAfter' must be an RFC 3339 timestamp with a time zone, from year 1 to 9999 in UTC,"
+        f" got string {moment!r}"
+    )
+
+
 @pytest.mark.parametrize("size", [0, 101, -5])
 def test_list_tasks_page_size_out_of_range_names_the_limits(size: int) -> None:
     assert complaint(ListTasksParams, {"pageSize": size}) == (
