@@ -41,7 +41,7 @@ from protocol import (
     trim_history,
 )
 from protocol.errors import quoted
-from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, TextDelta
+from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, StepStarted, TextDelta
 from runtime.agent.steers import steer_message
 from runtime.models import ModelError
 from runtime.tasks import (
@@ -777,5 +777,7 @@ def _answer_streamer(live: LiveTask) -> Callable[[AgentEvent], None]:
     def on_event(event: AgentEvent) -> None:
         if isinstance(event, TextDelta) and event.text:
             live.stream_answer(event.text)
+        elif isinstance(event, StepStarted):
+            live.next_request()
 
     return on_event

@@ -161,6 +161,7 @@ class LiveTask:
     _answer: io.StringIO = attrs.field(init=False, factory=io.StringIO)
     _answered: bool = attrs.field(init=False, default=False)  # and that is the whole answer
     _answer_frozen: bool = attrs.field(init=False, default=False)  # see freeze_answer
+    _replace_answer: bool = attrs.field(init=False, default=False)  # see next_request
 
     async def persist(self, tasks: TaskStore, change: Callable[[Task], Task], *, urgent: bool = False) -> Task:
         """Apply ``change`` to the newest task, write the result (version-checked), then tell the
@@ -217,13 +218,22 @@ class LiveTask:
 
     def stream_answer(self, text: str) -> None:
         """Send the subscribers the next piece of the answer as the model writes it. Each piece
-        is appended to the answer artifact; a subscriber that comes later gets all the text so
-        far in one event (replacing the artifact), right after the task."""
+        is appended to the answer artifact, but the first of a model request after
+        ``next_request()`` replaces it; a subscriber that comes later gets all the text so far in
+        one event (replacing the artifact), right after the task."""
         if self._answer_frozen:
             return
-        first = not self._answer.tell()
+        first = not self._answer.tell() or self._replace_answer
+        if self._replace_answer:
+            self._answer = io.StringIO()
+            self._replace_answer = False
         self._answer.write(text)
         self.publish(self._answer_update(text, append=not first))
+
+    def next_request(self) -> None:
+        """The run asks the model again (after a tool's result, or a steer): the text it writes
+        now is another answer, which replaces what the artifact holds rather than run on from it."""
+        self._replace_answer = True
 
     def freeze_answer(self) -> None:
         """The answer stops here (a cancel): what the run says after this is sent to no one."""
@@ -234,8 +244,7 @@ class LiveTask:
         return answer_artifact(self._answer.getvalue()) if self._answer.tell() or self._answered else None
 
     def finish_answer(self, text: str) -> None:
-        """Send the whole answer, the last piece of the artifact, replacing what was streamed
-        (which holds the text of every step, not only the last one's)."""
+        """Send the whole answer, the last piece of the artifact, replacing what was streamed."""
         if self._answer_frozen:
             return
         self._answer = io.StringIO()

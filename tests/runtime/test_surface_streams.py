@@ -376,10 +376,28 @@ async def test_a_subscriber_that_comes_mid_answer_gets_the_text_so_far_then_the_
         frames = results(await late.rest())
     updates = [f["artifactUpdate"] for f in frames if kind(f) == "artifactUpdate"]
     pieces, whole = updates[:-1], updates[-1]
-    assert [u.get("append") for u in pieces] == [True] * len(pieces) and len(pieces) == 3
+    # The second model request's first piece replaces the first's text; the others append.
+    assert [bool(u.get("append")) for u in pieces] == [False, True, True]
     assert "".join(u["artifact"]["parts"][0]["text"] for u in pieces) == "It expired."
     assert whole["lastChunk"] is True and not whole.get("append") and whole["artifact"]["parts"] == [{"text": "It expired."}]
     assert state(frames[-1]) == "TASK_STATE_COMPLETED"
+
+
+async def test_a_second_model_requests_text_replaces_the_firsts_in_what_get_task_and_a_cancel_keep(keel: Served) -> None:
+    # Two answers run together ("...lease. It e") would read as one, which neither was.
+    keel.model.script = [
+        Reply(text="Looking at the lease. ", tool_calls=[GATE_CALL]),
+        Reply(text="It expired, as nobody renewed it.", chunk_chars=4, hang_after_chunks=3),
+    ]
+    task = await keel.send("Why?", blocking=False)
+    await keel.gate.wait_entered()
+    keel.gate.opened.set()
+    so_far = [{"text": "It expir"}]  # the two pieces of text the second request streams before it stalls
+    with trio.fail_after(10):
+        while (polled := await keel.result("GetTask", {"id": task["id"]})).get("artifacts", [{}])[0].get("parts") != so_far:
+            await trio.sleep(0.01)
+    canceled = await keel.result("CancelTask", {"id": task["id"]})
+    assert canceled["artifacts"][0]["parts"] == so_far
 
 
 async def test_a_subscriber_that_comes_after_the_answer_was_sent_gets_the_whole_answer() -> None:
