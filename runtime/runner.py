@@ -99,12 +99,10 @@ def _unless_settled(outcome: Outcome) -> Outcome:
 
 
 CANCELED = _settle(TaskState.CANCELED, "The task was canceled.")
-SHUT_DOWN = _unless_settled(  # a CancelTask's CANCELED, written first, stands
-    _settle(
-        TaskState.CANCELED,
-        "The task was canceled: the server shut down before it finished. Send the message again, with a new"
-        " messageId, once the server is back.",
-    )
+SHUT_DOWN = _settle(
+    TaskState.CANCELED,
+    "The task was canceled: the server shut down before it finished. Send the message again, with a new"
+    " messageId, once the server is back.",
 )
 OVERTAKEN = (
     "The process running this task stopped before it finished, and its conversation has gone on since;"
@@ -168,16 +166,16 @@ class Runner:
                 await self._adopt_orphans()
                 task_status.started(self)
                 await self._stopping.wait()
-                with trio.move_on_after(self.config.drain_timeout_s):
-                    while self._live or self._sending.count:
-                        await (self._idle.wait() if self._live else self._sending.wait_none())
+                try:
+                    with trio.move_on_after(self.config.drain_timeout_s):
+                        while self._live or self._sending.count:
+                            await (self._idle.wait() if self._live else self._sending.wait_none())
+                except trio.Cancelled:  # the drain cut short (a second signal)
+                    if not self._abandoned:
+                        self._say_cut("are canceled at once, the drain cut short")
+                    raise
                 self._drained = True
-                if self._live:
-                    left = sorted(self._live)
-                    logger.warning(
-                        "shutting down: %d task(s) did not finish within %g s and are canceled: %s%s",
-                        len(left), self.config.drain_timeout_s, ", ".join(left[:20]), ", ..." if len(left) > 20 else "",
-                    )  # fmt: skip
+                self._say_cut(f"did not finish within {self.config.drain_timeout_s:g} s and are canceled")
                 for live in list(self._live.values()):
                     live.scope.cancel()
                 # Bounded: a send's task write that has not landed by then is left SUBMITTED, for
@@ -188,6 +186,12 @@ class Runner:
         finally:
             self._nursery = None
             self._stopped.set()
+
+    def _say_cut(self, why: str) -> None:
+        if self._live:
+            left = sorted(self._live)
+            named = ", ".join(left[:20]) + (", ..." if len(left) > 20 else "")
+            logger.warning("shutting down: %d task(s) %s: %s", len(left), why, named)
 
     def stop(self) -> None:
         """Refuse new work and start draining (see ``run``)."""
@@ -519,8 +523,8 @@ class Runner:
             if final is None and self._abandoned:  # left as stored, for the next process
                 live.close(end_stored=False)
             else:
-                if final is None:  # cancelled: by CancelTask, or by shutdown after the drain
-                    final = SHUT_DOWN if self._drained else CANCELED
+                if final is None:  # cancelled: by CancelTask, or by shutdown (after the drain, or cutting it short)
+                    final = SHUT_DOWN if self._stopping.is_set() else CANCELED
                 if await self._store_end(live, _keeping_answer(live, final)):
                     live.close()
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began

@@ -285,7 +285,11 @@ async def test_a_second_sigterm_stops_at_once_and_the_cut_run_is_recorded_cancel
         start = trio.current_time()
         assert await keel.terminate() == 0  # the second: the drain's 600 s are not waited out
         assert trio.current_time() - start < 10
-    assert stored_task(state, task_id)[0] == "TASK_STATE_CANCELED"  # type: ignore[index]
+    stored = stored_task(state, task_id)
+    assert stored is not None and stored[0] == "TASK_STATE_CANCELED"
+    said = stored[1]["status"]["message"]["parts"][0]["text"]
+    assert "the server shut down before it finished" in said  # not as a CancelTask's cancel says
+    assert f"shutting down: 1 task(s) are canceled at once, the drain cut short: {task_id}" in keel.output.decode()
 
 
 async def test_a_restart_that_cannot_listen_leaves_the_task_a_dead_process_left_for_the_next_one(

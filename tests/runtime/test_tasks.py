@@ -389,6 +389,23 @@ async def test_a_send_that_lands_after_the_drain_is_recorded_canceled_and_the_ru
     assert len(cut) == 1 and first.id in cut[0], cut
 
 
+async def test_a_cancel_task_during_the_drain_is_a_clients_cancel_not_the_shutdowns() -> None:
+    tasks = MemoryTaskStore()
+    runner = Runner(
+        MemorySessionStore(), tasks, ScriptedModel([Answer("held", hold=trio.Event())]), AgentSpec(), RunnerConfig(drain_timeout_s=600)
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, ask("first"))
+        runner.stop()  # draining: the run may finish, for 600 s
+        with trio.fail_after(10):
+            canceled = await runner.cancel(ANONYMOUS, task.id)
+            await runner.wait_stopped()
+    # The run's own end (the shutdown's CANCELED) comes second, and leaves the client's as it is.
+    for said in (canceled.status.message, decode(await tasks.get(ANONYMOUS, task.id)).status.message):
+        assert said is not None and message_text(said) == "The task was canceled."
+
+
 async def test_a_send_that_lands_after_the_runner_stopped_leaves_its_task_to_the_next_process(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
