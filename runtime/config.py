@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
+from runtime.models.client import MISPLACED_AT, misplaced_at
 
 ORPHAN_POLICIES = ("resume", "fail")
 
@@ -79,6 +80,8 @@ def _url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"it must be an http:// or https:// URL with a host, like {DEFAULT_BASE_URL}")
+    if misplaced_at(text):
+        raise ValueError(MISPLACED_AT)
     try:
         parts.port  # noqa: B018  # read for its check
     except ValueError:

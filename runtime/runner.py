@@ -188,8 +188,10 @@ class Runner:
             self._stopped.set()
 
     def _say_cut(self, why: str) -> None:
-        if self._live:
-            left = sorted(self._live)
+        # Named: the runs the shutdown cancels, not those already over (their end being written)
+        # or cancelled by a CancelTask (whose CANCELED stands).
+        left = sorted(task_id for task_id, live in self._live.items() if not live.turn_over and not live.scope.cancel_called)
+        if left:
             named = ", ".join(left[:20]) + (", ..." if len(left) > 20 else "")
             logger.warning("shutting down: %d task(s) %s: %s", len(left), why, named)
 
@@ -230,7 +232,7 @@ class Runner:
         if message.context_id:
             receipt = await self.sessions.steer_receipt(message.context_id, message.message_id)
             if receipt is not None:  # a steer sent again, without its task's id: it starts nothing
-                return await self._steered_before(owner, message, receipt)
+                return await self._steered_before(owner, params, receipt)
         text = readable_text(message)
         self._refuse_if_stopping()
         task_id = new_id()
@@ -268,8 +270,10 @@ class Runner:
             )
         return _check_same(message, task.history[0], task, where)
 
-    async def _steered_before(self, owner: str, message: Message, receipt: SteerReceipt) -> Task:
-        """The task a message went to as a steer, as it stands, for that message sent again."""
+    async def _steered_before(self, owner: str, params: SendMessageParams, receipt: SteerReceipt) -> Task:
+        """The task a message went to as a steer, for that message sent again: as if sent with
+        its taskId, so that one its task never recorded (that write failed) is recorded now."""
+        message = params.message
         sent_before = InvalidParams(
             "message.messageId",
             problem=f"{quoted(message.message_id)} was sent before, as a steer in context {message.context_id!r}; "
@@ -279,8 +283,9 @@ class Runner:
             raise sent_before
         if not receipt.same(_as_sent(message)):
             raise _sent_with_other_content(message, f"went to task {receipt.task_id!r}")
+        again = attrs.evolve(params, message=attrs.evolve(message, task_id=receipt.task_id))
         try:
-            return await self.get(owner, receipt.task_id)
+            return await self._to_existing(owner, receipt.task_id, again)
         except TaskNotFound:
             raise sent_before from None
 

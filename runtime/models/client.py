@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 import attrs
 import httpx
@@ -53,6 +53,21 @@ def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"the model base URL must be an http:// or https:// URL with a host, for example {DEFAULT_BASE_URL}")
+    if misplaced_at(url):
+        raise ValueError(MISPLACED_AT)
+
+
+MISPLACED_AT = (
+    "it holds an '@' after its host: credentials holding '/', '?' or '#' must be percent-encoded"
+    " (%2F, %3F, %23) to be read as credentials rather than as the host and path"
+)
+
+
+def misplaced_at(url: str) -> bool:
+    """Whether ``url`` holds an '@' that is not the end of its credentials: one in its path,
+    query or fragment, where a password written with a '/', '?' or '#' puts it."""
+    parts = urlsplit(url)
+    return "@" in parts.path or "@" in parts.query or "@" in parts.fragment
 
 
 def without_credentials(url: str) -> str:
@@ -60,12 +75,14 @@ def without_credentials(url: str) -> str:
     too, and a password is one), and the values of its query (where some APIs take their key),
     replaced by ``***``."""
     try:
+        scheme, slashes, rest = url.partition("//")
+        if slashes and "@" in rest:
+            # Up to the last '@', wherever it is: a password may hold a '/', '?' or '#' that
+            # was not percent-encoded, and then urlsplit takes part of it for the path or query.
+            url = f"{scheme}//***@{rest.rpartition('@')[2]}"
         parts = urlsplit(url)
-        netloc = parts.netloc
-        if "@" in netloc:
-            netloc = f"***@{netloc.rpartition('@')[2]}"
         query = "&".join(f"{name.partition('=')[0]}=***" for name in parts.query.split("&")) if parts.query else ""
-        return urlunsplit(parts._replace(netloc=netloc, query=query))
+        return urlunsplit(parts._replace(query=query))
     except ValueError:
         return "(not shown: it cannot be read as a URL)"
 
@@ -138,6 +155,12 @@ class ModelConfig:
             alone = (password, written_password) if password else (user, written_user)
             candidates = (token, token.rstrip("="), f"{user}:{password}", f"{written_user}:{written_password}", *alone)
             found.extend((secret, "[credentials]") for secret in candidates if secret)
+        # The values of its query (where some APIs take their key), as written and decoded:
+        # sent with every request, and hidden wherever the URL is shown. A value too short to
+        # be a key (``v=1``) is left, or every "1" of what the server said would be masked.
+        query = urlsplit(self.base_url).query
+        values = {form for pair in query.split("&") for form in (pair.partition("=")[2], unquote_plus(pair.partition("=")[2]))}
+        found.extend((value, "[query value]") for value in sorted(values, key=len, reverse=True) if len(value) >= 8)
         return found
 
 

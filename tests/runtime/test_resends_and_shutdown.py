@@ -1,0 +1,129 @@
+"""A message sent again without its task's id, and what a shutdown says of the runs it cuts:
+over real HTTP and real SQLite, or the runner alone."""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import closing
+
+import attrs
+import pytest
+import trio
+import trio.testing
+from fake_model import Reply
+
+from persistence.api import TaskRecord
+from persistence.memory import MemorySessionStore, MemoryTaskStore
+from protocol import Message, Role, SendMessageParams, TaskState, TextPart
+from runtime.agent import AgentSpec
+from runtime.runner import ANONYMOUS, Runner, RunnerConfig
+from runtime.tasks import decode, new_id
+from tests.runtime.agent_support import Answer, ScriptedModel
+from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message
+
+V1 = "1.0"
+
+
+@pytest.mark.parametrize("when", ["while it works", "after it ended"])
+async def test_a_steer_not_recorded_in_its_task_is_recorded_when_sent_again_without_its_task_id(
+    keel: Served, when: str
+) -> None:
+    # The steer is stored for the conversation, then its task's history write fails (a full
+    # disk; or the process dies between the two writes). Sent again with its taskId it is
+    # recorded; sent again without it (in its contextId) it must be too, not answered with a
+    # task whose history never shows it (the model took it all the same).
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done, as asked.")]
+    task = await keel.send("Fix checkout", blocking=False)
+    await keel.gate.wait_entered()
+    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
+        conn.execute(
+            "CREATE TRIGGER full BEFORE UPDATE ON tasks WHEN NEW.task LIKE '%staging runbook%'"
+            " BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
+        )
+    steer = message("Use the staging runbook", V1, taskId=task["id"])
+    error = await keel.error("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
+    assert error["code"] == -32603, error
+    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
+        conn.execute("DROP TRIGGER full")
+    if when == "after it ended":
+        keel.gate.opened.set()
+        with trio.fail_after(DEADLINE_S):
+            assert (await keel.runner.wait_settled(ANONYMOUS, task["id"])).status.state.value == "completed"
+    resent = {key: value for key, value in steer.items() if key != "taskId"} | {"contextId": task["contextId"]}
+    again = (await keel.result("SendMessage", {"message": resent, "configuration": {"returnImmediately": True}}))["task"]
+    assert again["id"] == task["id"]
+    assert steer["messageId"] in [m["messageId"] for m in again.get("history", [])], "the steer is not in its task's history"
+    keel.gate.opened.set()
+    with trio.fail_after(DEADLINE_S):
+        settled = await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    assert steer["messageId"] in [m.message_id for m in settled.history]
+
+
+@attrs.define(eq=False)
+class HeldCompletion(MemoryTaskStore):
+    """A task store whose COMPLETED writes land only once ``release`` is set."""
+
+    entered: trio.Event = attrs.field(factory=trio.Event)
+    release: trio.Event = attrs.field(factory=trio.Event)
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+    ) -> TaskRecord:
+        if state == "TASK_STATE_COMPLETED":
+            self.entered.set()
+            await self.release.wait()
+        return await super().update(owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
+
+
+async def test_the_drains_log_line_does_not_call_a_task_whose_run_had_ended_canceled(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The run has answered; its COMPLETED is being written (a busy writer) when the drain's time
+    # is up. The shutdown cancels nothing of it, and it ends COMPLETED: the log must not name it
+    # among the tasks "canceled" for not finishing in time.
+    tasks = HeldCompletion()
+    runner = Runner(
+        MemorySessionStore(), tasks, ScriptedModel([Answer("Rolled back.")]), AgentSpec(),
+        RunnerConfig(drain_timeout_s=0.5, cleanup_timeout_s=5.0),
+    )  # fmt: skip
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+        with trio.fail_after(DEADLINE_S):
+            await tasks.entered.wait()
+        runner.stop()
+        await trio.sleep(1.0)  # the drain's 0.5 s are up; the write is still within its 5 s bound
+        tasks.release.set()
+        with trio.fail_after(DEADLINE_S):
+            await runner.wait_stopped()
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.COMPLETED
+    said = [r.getMessage() for r in caplog.records if "are canceled" in r.getMessage()]
+    assert not any(task.id in line for line in said), said
+
+
+async def test_runs_cut_short_by_a_second_signal_say_the_server_shut_down(autojump_clock: trio.testing.MockClock) -> None:
+    # serve's answer to a second SIGTERM/SIGINT is to cancel the server's nursery, the runner's
+    # with it, during the drain. Those runs are cancelled by the shutdown as surely as the ones
+    # the drain's timeout cuts; they must not read as a client's CancelTask.
+    tasks = MemoryTaskStore()
+    runner = Runner(
+        MemorySessionStore(), tasks, ScriptedModel([Answer("Rolling back the deploy now.", hold=trio.Event())]),
+        AgentSpec(), RunnerConfig(drain_timeout_s=60.0),
+    )  # fmt: skip
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    with trio.CancelScope() as server:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.run)
+            task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+            with trio.fail_after(DEADLINE_S):
+                while decode(await tasks.get(ANONYMOUS, task.id)).status.state is not TaskState.WORKING:
+                    await trio.sleep(0.01)
+            runner.stop()  # the first signal: the drain begins
+            await trio.sleep(1.0)
+            server.cancel()  # the second: stopping now
+    ended = decode(await tasks.get(ANONYMOUS, task.id))
+    assert ended.status.state is TaskState.CANCELED
+    assert ended.status.message is not None
+    said = ended.status.message.parts[0].text  # type: ignore[union-attr]
+    assert "the server shut down before it finished" in said, said
