@@ -328,7 +328,8 @@ class ModelClient:
             error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
             return _Failure(error, retry=True, retry_after_s=retry_after_s)
         if status >= 400:
-            return _Failure(ModelRejected(model, status, detail=detail, attempts=attempt), retry=False)
+            error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=self._credentials_sent())
+            return _Failure(error, retry=False)
         error = ModelBadResponse(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
         return _Failure(error, retry=False)
 
@@ -371,6 +372,11 @@ class ModelClient:
 
     def _detail(self, exc: Exception) -> str:
         return self._scrub(f"{type(exc).__name__}: {exc}")
+
+    def _credentials_sent(self) -> str | None:
+        if self.config.api_key:
+            return "the API key"
+        return "the credentials in the base URL" if any(url_credentials(self.config.base_url)) else None
 
     def _scrub(self, text: str) -> str:
         # Some servers echo the key or the credentials they refused; logs should not keep them either.

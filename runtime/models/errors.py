@@ -72,9 +72,22 @@ class ModelTimeout(ModelError):
         self.timeout_s = timeout_s
 
 
+# A refusal of who asks, when that is not an API key: the base URL's credentials, or nothing.
+_WHO_ASKS = {
+    (401, "the credentials in the base URL"): "the credentials in the base URL were refused",
+    (403, "the credentials in the base URL"): "the credentials in the base URL may not use this model",
+    (401, None): "the server wants an API key, and none was given",
+    (403, None): "the server does not let a request without an API key use this model",
+}
+
+
 class ModelRejected(ModelError):
-    def __init__(self, model: str, status: int, *, detail: str = "", attempts: int = 1) -> None:
+    def __init__(self, model: str, status: int, *, detail: str = "", attempts: int = 1, sent: str | None = "the API key") -> None:
+        """``sent``: what the request carried to say who asks (the API key, or the base URL's
+        credentials), or None when it carried nothing."""
         meaning = _REJECTIONS.get(status, "the server refused the request")
+        if status in (401, 403) and sent != "the API key":
+            meaning = _WHO_ASKS[status, sent]
         reason = f"{meaning} (HTTP {status})"
         super().__init__(model, "rejected the request", reason, detail=detail, status=status, attempts=attempts)
 

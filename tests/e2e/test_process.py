@@ -370,7 +370,7 @@ async def test_credentials_in_the_model_url_are_never_logged_when_the_model_serv
             health = (await client.get(keel.url + "healthz")).json()
             task = (await rpc(client, keel.url, "SendMessage", {"message": user_message("hi")}))["result"]["task"]
             assert await keel.terminate() == 0
-    refused = "the API key was refused (HTTP 401)"
+    refused = "the credentials in the base URL were refused (HTTP 401)"
     assert health["problems"] == [
         f"model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct': {refused}"
     ]

@@ -833,7 +833,7 @@ async def test_url_credentials_without_an_api_key_go_as_basic_auth_and_are_never
             with pytest.raises(ModelRejected) as said_plainly:
                 await client.complete(ASK)
             fake_model.api_key = "sk-RIGHTKEY"  # now it wants a key, and repeats what it got instead
-            with pytest.raises(ModelRejected, match="the API key was refused") as said_encoded:
+            with pytest.raises(ModelRejected, match=r"the credentials in the base URL were refused \(HTTP 401\)") as said_encoded:
                 await client.has_model()
     assert fake_model.received[0].headers["authorization"] == "Basic Ym9iOnBhNTV3MHJk"  # base64 of bob:pa55w0rd
     assert said_plainly.value.detail.endswith("user [credentials] refused: the password [credentials] has expired")
@@ -841,6 +841,15 @@ async def test_url_credentials_without_an_api_key_go_as_basic_auth_and_are_never
     for error in (said_plainly.value, said_encoded.value):
         for leak in ("pa55w0rd", "Ym9iOnBhNTV3MHJk"):
             assert leak not in error.detail and leak not in str(error)
+
+
+async def test_a_server_that_wants_a_key_none_was_given_says_so(fake_model: FakeModel) -> None:
+    fake_model.api_key = "sk-RIGHTKEY"
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=fake_model.base_url, max_retries=0)) as client:
+            with pytest.raises(ModelRejected) as refused:
+                await client.complete(ASK)
+    assert refused.value.reason == "the server wants an API key, and none was given (HTTP 401)"
 
 
 @pytest.mark.parametrize(
