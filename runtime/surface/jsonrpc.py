@@ -169,7 +169,7 @@ class JsonRpcEndpoint:
     async def _extended_card(self, params: Params, version: ProtocolVersion) -> object:
         # The card says it has none; the reference answers -32004.
         field = "capabilities.extendedAgentCard" if version is ProtocolVersion.V1_0 else "supportsAuthenticatedExtendedCard"
-        raise UnsupportedOperation(f"this agent has no extended agent card (its card's {field} is false)")
+        raise UnsupportedOperation(f"this agent has no extended agent card (its card leaves {field} out: false)")
 
     _unary: ClassVar[dict[Operation, Callable[[JsonRpcEndpoint, Params, ProtocolVersion], Awaitable[object]]]] = {
         Operation.SEND_MESSAGE: _send_message,

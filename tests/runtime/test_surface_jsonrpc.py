@@ -708,7 +708,7 @@ async def test_the_extended_card_is_unsupported(keel: Served, method: str, versi
     error = await keel.error(method, {}, version=version)
     check_error(error, -32004, version, "UNSUPPORTED_OPERATION")
     field = "capabilities.extendedAgentCard" if version == V1 else "supportsAuthenticatedExtendedCard"  # the card's own
-    assert f"its card's {field} is false" in error["message"]
+    assert f"its card leaves {field} out: false" in error["message"]
 
 
 # -- versions ---------------------------------------------------------------------------------
