@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import json
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -270,3 +271,18 @@ async def serve_keel(
         async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=DEADLINE_S) as http:
             yield Served(url, http, runner, readiness, state_dir, model, sessions, tasks, gate, surface.rpc_path)
         nursery.cancel_scope.cancel()
+
+
+def fill_tasks_disk(state_dir: Path, *, for_text: str) -> None:
+    """From now on, tasks.db fails every update of a task holding ``for_text`` as a full disk
+    does (until ``free_tasks_disk``): another connection's trigger, as another process could."""
+    with closing(sqlite3.connect(state_dir / "tasks.db", isolation_level=None)) as conn:
+        conn.execute(
+            f"CREATE TRIGGER full BEFORE UPDATE ON tasks WHEN NEW.task LIKE '%{for_text}%'"
+            " BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
+        )
+
+
+def free_tasks_disk(state_dir: Path) -> None:
+    with closing(sqlite3.connect(state_dir / "tasks.db", isolation_level=None)) as conn:
+        conn.execute("DROP TRIGGER full")

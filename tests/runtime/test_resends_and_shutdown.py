@@ -3,8 +3,6 @@ over real HTTP and real SQLite, or the runner alone."""
 
 from __future__ import annotations
 
-import sqlite3
-from contextlib import closing
 
 import attrs
 import pytest
@@ -19,7 +17,7 @@ from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import decode, new_id
 from tests.runtime.agent_support import Answer, ScriptedModel
-from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message
+from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, fill_tasks_disk, free_tasks_disk, message
 
 V1 = "1.0"
 
@@ -35,16 +33,11 @@ async def test_a_steer_not_recorded_in_its_task_is_recorded_when_sent_again_with
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done, as asked.")]
     task = await keel.send("Fix checkout", blocking=False)
     await keel.gate.wait_entered()
-    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
-        conn.execute(
-            "CREATE TRIGGER full BEFORE UPDATE ON tasks WHEN NEW.task LIKE '%staging runbook%'"
-            " BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
-        )
+    fill_tasks_disk(keel.state_dir, for_text="staging runbook")
     steer = message("Use the staging runbook", V1, taskId=task["id"])
     error = await keel.error("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
     assert error["code"] == -32603, error
-    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
-        conn.execute("DROP TRIGGER full")
+    free_tasks_disk(keel.state_dir)
     if when == "after it ended":
         keel.gate.opened.set()
         with trio.fail_after(DEADLINE_S):

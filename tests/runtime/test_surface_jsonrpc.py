@@ -22,7 +22,7 @@ from protocol import MAX_ID_CHARS
 from protocol.jsonrpc import MAX_DEPTH
 from runtime.runner import ANONYMOUS, Runner
 from runtime.surface import SurfaceConfig
-from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message, serve_keel
+from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, fill_tasks_disk, free_tasks_disk, message, serve_keel
 
 V1 = "1.0"
 V03 = None  # no A2A-Version header
@@ -449,17 +449,12 @@ async def test_a_steer_stored_but_not_recorded_in_its_task_steers_once_when_sent
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done, as asked.")]
     task = await keel.send("Fix checkout", blocking=False)
     await keel.gate.wait_entered()
-    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
-        conn.execute(
-            "CREATE TRIGGER full BEFORE UPDATE ON tasks WHEN NEW.task LIKE '%staging runbook%'"
-            " BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
-        )
+    fill_tasks_disk(keel.state_dir, for_text="staging runbook")
     steer = {"message": message("Use the staging runbook", V1, taskId=task["id"]), "configuration": {"returnImmediately": True}}
     error = await keel.error("SendMessage", steer)
     check_error(error, -32603, V1, "INTERNAL_ERROR")
     assert "a message sent again with the same messageId is taken once" in error["message"]
-    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
-        conn.execute("DROP TRIGGER full")
+    free_tasks_disk(keel.state_dir)
     # Another message under that id, though the model would read the same text: refused.
     impostor = {**steer, "message": {**steer["message"], "parts": [{"text": "Use the staging runbook", "metadata": {"from": "cli"}}]}}
     check_error(await keel.error("SendMessage", impostor), -32602, V1, "INVALID_PARAMS")
@@ -1011,8 +1006,7 @@ async def test_a_failing_store_is_an_internal_error_that_says_storage_failed_and
     assert "tasks.db" in logged.getMessage() and "database or disk is full" in logged.getMessage()
     assert logged.exc_info is None  # an outage, not a bug: no traceback
     assert keel.model.bodies == []
-    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
-        conn.execute("DROP TRIGGER full")
+    free_tasks_disk(keel.state_dir)
     done = await keel.send("Is there room now?")
     assert done["status"]["state"] == "TASK_STATE_COMPLETED"
     assert (await keel.result("ListTasks", {}))["totalSize"] == 1
