@@ -34,8 +34,7 @@ from persistence.rollback import assert_live, cleanup, discard_unpublished, roll
 from persistence.statedir import (
     DIR_MODE,
     DOCUMENT_MODE,
-    GENERATION_LOCK_NAME,
-    USE_LOCK_NAME,
+    LOCK_NAMES,
     FileEvidence,
     RestoreError,
     StateError,
@@ -173,15 +172,15 @@ def reset_state(state_dir: Path) -> list[str]:
 
     Blocking on the generation lock; raises StateBusy while any process serves the directory.
     Returns the names removed. Unlike recovery it needs no journal to make sense of residue,
-    because no generation survives it; the directory itself stays, with its locks.
+    because no generation survives it; the directory itself stays, with every lock file (one
+    removed while another process has it open, or is about to open it, is a lock lost).
     """
     if not os.path.lexists(state_dir):
         return []
     if not state_dir.is_dir() or state_dir.is_symlink():
         raise StateError(f"the state directory {state_dir} is not a directory")
     with generation_lock(state_dir), exclusive_use(state_dir):
-        kept = (USE_LOCK_NAME, GENERATION_LOCK_NAME)
-        names = [name for name in os.listdir(state_dir) if name not in kept]
+        names = [name for name in os.listdir(state_dir) if name not in LOCK_NAMES]
         names.sort(key=lambda name: (name == JOURNAL_NAME, name))
         for name in names:
             if name == JOURNAL_NAME:

@@ -1,4 +1,4 @@
-"""The state directory: its names, its errors, durable file operations, and its two locks.
+"""The state directory: its names, its errors, durable file operations, and its three locks.
 
 A *generation* is the set of live state files: every visible ``*.db`` in the directory plus the
 ``-wal``/``-shm``/``-journal`` sidecars SQLite keeps next to them. Everything a restore leaves
@@ -13,6 +13,10 @@ Three ``fcntl.flock`` locks guard the directory:
   taken *exclusively without waiting* by restore and reset, which refuse while anyone holds it.
 * ``.keel-serve.lock`` is taken *exclusively without waiting* by the server: one per directory.
   A second would take the first's running tasks for ones a dead process left, and run them again.
+
+None of the three is ever removed, not even by reset: a process may have one open, or be about to
+open it, and one that locked a removed file and one that locked the new file made in its place
+would each believe it held the lock alone.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from persistence.errors import StoreError
 USE_LOCK_NAME = ".keel.lock"
 SERVE_LOCK_NAME = ".keel-serve.lock"
 GENERATION_LOCK_NAME = ".keel-generation.lock"
+LOCK_NAMES = (USE_LOCK_NAME, GENERATION_LOCK_NAME, SERVE_LOCK_NAME)
 RESIDUE_PREFIX = ".restore-"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 DIR_MODE = 0o750

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,7 +17,16 @@ import trio
 
 from fake_model import Call, FakeModel, Reply
 from persistence.journal import JOURNAL_NAME
-from tests.e2e.harness import keel_process, rpc, run_serve_to_exit, stored_task, user_message, wait_stored_state
+from tests.e2e.harness import (
+    STARTUP_DEADLINE_S,
+    child_env,
+    keel_process,
+    rpc,
+    run_serve_to_exit,
+    stored_task,
+    user_message,
+    wait_stored_state,
+)
 
 
 async def test_serve_refuses_a_planted_prepared_journal_before_creating_any_database(
@@ -344,6 +355,26 @@ async def test_a_second_server_on_the_same_state_directory_is_refused_and_leaves
         assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
         assert await keel.terminate() == 0
 
+
+
+async def test_a_reset_after_the_server_stopped_removes_its_databases_and_keeps_its_three_lock_files(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    state = tmp_path / "state"
+    async with keel_process(state, fake_model.base_url) as keel:
+        assert await keel.terminate() == 0
+    locks = {name: (state / name).stat().st_ino for name in (".keel.lock", ".keel-generation.lock", ".keel-serve.lock")}
+    assert {"runtime.db", "tasks.db"} <= set(os.listdir(state))
+
+    with trio.fail_after(STARTUP_DEADLINE_S):
+        reset = await trio.run_process(
+            [sys.executable, "-m", "runtime", "state", "reset", "--state-dir", str(state)],
+            capture_stdout=True, capture_stderr=True, check=False, env=child_env(),
+        )  # fmt: skip
+
+    assert reset.returncode == 0, reset.stderr.decode()
+    assert reset.stdout.decode().startswith(f"{state}: removed runtime.db")
+    assert {name: (state / name).stat().st_ino for name in os.listdir(state)} == locks  # each the file it was
 
 
 async def test_the_model_call_budget_set_for_the_server_bounds_each_turn(tmp_path: Path, fake_model: FakeModel) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 from persistence.schema import SchemaIdentity, write_identity_txn
 from persistence.snapshot import create_snapshot
-from persistence.statedir import GENERATION_LOCK_NAME, USE_LOCK_NAME
+from persistence.statedir import LOCK_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 SESSIONS = SchemaIdentity("keel.sessions", 1)
 TASKS = SchemaIdentity("keel.tasks", 1)
-LOCKS = {USE_LOCK_NAME, GENERATION_LOCK_NAME}
+LOCKS = set(LOCK_NAMES)
 CHILD_TIMEOUT_S = 60
 
 

@@ -15,7 +15,16 @@ import pytest
 from persistence.recovery import hold_state_dir
 from persistence.restore import reset_state, restore_snapshot
 from persistence.schema import SchemaIdentity
-from persistence.statedir import GENERATION_LOCK_NAME, RestoreError, SnapshotError, StateBusy, encode_document
+from persistence.statedir import (
+    GENERATION_LOCK_NAME,
+    LOCK_NAMES,
+    RestoreError,
+    SnapshotError,
+    StateBusy,
+    acquire_serving,
+    encode_document,
+    release_use,
+)
 from tests.persistence.state_helpers import (
     CHILD_TIMEOUT_S,
     finish_child,
@@ -256,9 +265,12 @@ def test_restore_and_reset_refuse_while_a_process_holds_the_state_dir(tmp_path: 
     assert fingerprint(state_dir) == snapshot_databases(snapshot)
 
 
-def test_reset_removes_every_generation_and_residue_but_keeps_the_locks(tmp_path: Path) -> None:
+def test_reset_removes_every_generation_and_residue_but_keeps_every_lock_file(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     old_generation(state_dir)
+    with hold_state_dir(state_dir):
+        release_use(acquire_serving(state_dir))  # a server's three lock files, as one leaves them
+    locks = {name: os.stat(state_dir / name).st_ino for name in LOCK_NAMES}
     (state_dir / ".restore-journal.json").write_text('{"phase":"prepared"}')
     (state_dir / ".restore-staged.0123456789abcdef0123456789abcdef").mkdir()
 
@@ -266,6 +278,7 @@ def test_reset_removes_every_generation_and_residue_but_keeps_the_locks(tmp_path
 
     assert removed[-1] == ".restore-journal.json"
     assert fingerprint(state_dir) == {}
+    assert {name: os.stat(state_dir / name).st_ino for name in os.listdir(state_dir)} == locks  # the same files
     assert reset_state(tmp_path / "never-created") == []
 
 
