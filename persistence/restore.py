@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sqlite3
 import stat
 from pathlib import Path
 
@@ -31,16 +32,20 @@ from persistence.journal import publish_journal, stage_journal
 from persistence.manifest import Manifest, read_snapshot
 from persistence.recovery import recover_locked
 from persistence.rollback import assert_live, cleanup, discard_unpublished, roll_back
+from persistence.schema import KEEL_SCHEMA_PREFIX, read_identity
 from persistence.statedir import (
     DIR_MODE,
     DOCUMENT_MODE,
     LOCK_NAMES,
+    RESIDUE_PREFIX,
     FileEvidence,
+    NotAStateDir,
     RestoreError,
     StateError,
     exclusive_use,
     fsync_dir,
     generation_lock,
+    is_db_name,
     live_inventory,
     make_fresh_dir,
     write_all,
@@ -174,21 +179,64 @@ def reset_state(state_dir: Path) -> list[str]:
     Returns the names removed. Unlike recovery it needs no journal to make sense of residue,
     because no generation survives it; the directory itself stays, with every lock file (one
     removed while another process has it open, or is about to open it, is a lock lost).
+
+    A directory that is missing or empty is left as it is (no lock file is made in it). One that
+    holds something, but nothing of Keel's, is refused with NotAStateDir and left as it is too: a
+    mistyped path must not empty a directory of someone's files. Keel's are its lock files (what
+    uses a directory as a state directory makes them), a restore's residue, and databases that
+    carry a Keel schema identity. A directory that holds Keel's and other files is emptied of all.
     """
     if not os.path.lexists(state_dir):
         return []
     if not state_dir.is_dir() or state_dir.is_symlink():
         raise StateError(f"the state directory {state_dir} is not a directory")
+    present = os.listdir(state_dir)
+    if not present:
+        return []
+    if not _holds_keel_state(state_dir, present):
+        raise NotAStateDir(state_dir)
     with generation_lock(state_dir), exclusive_use(state_dir):
         names = [name for name in os.listdir(state_dir) if name not in LOCK_NAMES]
         names.sort(key=lambda name: (name == JOURNAL_NAME, name))
         for name in names:
             if name == JOURNAL_NAME:
                 fsync_dir(state_dir)  # everything the journal explains is durably gone before it goes
-            path = state_dir / name
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+            _remove(state_dir / name)
         fsync_dir(state_dir)
     return names
+
+
+def _holds_keel_state(state_dir: Path, names: list[str]) -> bool:
+    """Whether anything in ``names`` is Keel's: a lock file, restore residue, or a database that
+    says it is Keel's. A name alone does not tell for a database (``tasks.db`` could be anyone's)."""
+    if any(name in LOCK_NAMES or name.startswith(RESIDUE_PREFIX) for name in names):
+        return True
+    return any(is_db_name(name) and _is_keel_database(state_dir / name) for name in names)
+
+
+def _is_keel_database(path: Path) -> bool:
+    """Whether ``path`` is a SQLite database carrying a Keel schema identity; read only, and any
+    file SQLite cannot read that way is not."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            identity = read_identity(conn)
+        finally:
+            conn.close()
+    except (sqlite3.Error, OSError):
+        return False
+    return identity is not None and identity.name.startswith(KEEL_SCHEMA_PREFIX)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a directory tree; one already gone is fine (what `check` makes to try the
+    directory removes itself at once)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass

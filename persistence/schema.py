@@ -11,6 +11,8 @@ import sqlite3
 
 import attrs
 
+KEEL_SCHEMA_PREFIX = "keel."  # every Keel schema's name starts so, those of newer builds too
+
 # The schemas this build can open, with the newest version it understands.
 KNOWN_SCHEMAS: dict[str, int] = {
     "keel.sessions": 2,  # runtime.db

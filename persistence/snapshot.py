@@ -70,6 +70,7 @@ def create_snapshot(
         raise SnapshotError(
             f"the backup root {backup_root} is inside the state directory {state_dir}; choose one outside it"
         )
+    _database_names(state_dir)  # refused before the lock, which would leave its file in a directory not Keel's
     with generation_lock(state_dir):
         recover_locked(state_dir, exclusive_held=False)
         names = _database_names(state_dir)

@@ -71,6 +71,18 @@ class AlreadyServed(StateError):
         )
 
 
+class NotAStateDir(StateError):
+    """A directory given as the state directory that holds nothing of Keel's."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        super().__init__(
+            f"{state_dir} is not a Keel state directory: it holds none of Keel's lock files, databases or restore"
+            " residue, so reset removed nothing from it; check that --state-dir (or AGENT_STATE_DIR) names the"
+            " state directory"
+        )
+
+
 class SnapshotError(StateError):
     """A snapshot could not be written, or is not fit to restore; live state was not touched."""
 

@@ -18,6 +18,7 @@ from persistence.schema import SchemaIdentity
 from persistence.statedir import (
     GENERATION_LOCK_NAME,
     LOCK_NAMES,
+    NotAStateDir,
     RestoreError,
     SnapshotError,
     StateBusy,
@@ -280,6 +281,24 @@ def test_reset_removes_every_generation_and_residue_but_keeps_every_lock_file(tm
     assert fingerprint(state_dir) == {}
     assert {name: os.stat(state_dir / name).st_ino for name in os.listdir(state_dir)} == locks  # the same files
     assert reset_state(tmp_path / "never-created") == []
+
+
+def test_reset_leaves_a_directory_holding_nothing_of_keels_as_it_is(tmp_path: Path) -> None:
+    mistyped = tmp_path / "documents"
+    (mistyped / "notes").mkdir(parents=True)
+    (mistyped / "notes" / "thesis.txt").write_text("important\n")
+    make_db(mistyped / "tasks.db", SchemaIdentity("todo.app", 1), "mine")  # a database, but another program's
+    (mistyped / ".restore").write_text("a name close to a restore's, but not one")
+    before = {p.name: p.stat().st_ino for p in mistyped.iterdir()}
+
+    with pytest.raises(NotAStateDir, match=f"^{mistyped} is not a Keel state directory: "):
+        reset_state(mistyped)
+
+    assert {p.name: p.stat().st_ino for p in mistyped.iterdir()} == before
+    assert (mistyped / "notes" / "thesis.txt").read_text() == "important\n"
+    (tmp_path / "empty").mkdir()
+    assert reset_state(tmp_path / "empty") == []
+    assert list((tmp_path / "empty").iterdir()) == []  # nothing removed, and no lock file made
 
 
 def blocked_on(lock: Path, pid: int) -> bool:

@@ -227,3 +227,72 @@ def test_state_recover_says_it_does_not_check_what_the_databases_hold(tmp_path: 
     )
     snapshot = keel(tmp_path, "state", "snapshot")  # what does open them finds the damage
     assert snapshot.returncode == 1 and "tasks.db" in snapshot.stderr, snapshot.stderr
+
+
+# -- a directory that is not a state directory ------------------------------------------------------
+
+
+def contents(directory: Path) -> dict[str, bytes]:
+    """Every path under ``directory``, lock files included, with the bytes of each file."""
+    return {str(p.relative_to(directory)): b"" if p.is_dir() else p.read_bytes() for p in sorted(directory.rglob("*"))}
+
+
+def users_documents(directory: Path) -> None:
+    (directory / "docs").mkdir(parents=True)
+    (directory / "docs" / "thesis.txt").write_text("important\n")
+    (directory / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a photo")
+    make_db(directory / "tasks.db", None, "another program's")  # a SQLite file, but not Keel's
+
+
+def test_state_reset_refuses_a_directory_that_holds_nothing_of_keels_and_removes_nothing(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    users_documents(scratch)
+    before = contents(scratch)
+
+    result = keel(tmp_path, "state", "reset", "--state-dir", "scratch")
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: scratch is not a Keel state directory: it holds none of Keel's lock files, databases or restore"
+        " residue, so reset removed nothing from it; check that --state-dir (or AGENT_STATE_DIR) names the state directory"
+    )
+    assert contents(scratch) == before  # not a file removed, and no lock file made
+
+
+def test_a_snapshot_and_a_reset_of_a_mistyped_state_directory_leave_it_as_it_was(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    users_documents(scratch)
+    (scratch / "tasks.db").unlink()  # no databases at all: what snapshot refuses
+    before = contents(scratch)
+
+    snapshot = keel(tmp_path, "state", "snapshot", "--state-dir", "scratch")
+    assert snapshot.returncode == 1
+    assert snapshot.stderr.strip() == "error: the state directory scratch holds no databases; there is nothing to snapshot"
+    assert contents(scratch) == before  # no lock file left behind for a reset to take for Keel's
+
+    reset = keel(tmp_path, "state", "reset", "--state-dir", "scratch")
+    assert reset.returncode == 1 and "is not a Keel state directory" in reset.stderr
+    assert contents(scratch) == before
+
+
+def test_state_reset_of_an_empty_directory_removes_nothing_and_makes_nothing_there(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    result = keel(tmp_path, "state", "reset", "--state-dir", str(empty))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{empty}: nothing to remove"
+    assert list(empty.iterdir()) == []
+
+
+def test_state_reset_takes_keel_databases_copied_in_by_hand_for_a_state_directory(tmp_path: Path) -> None:
+    copied = tmp_path / "copied"
+    make_db(copied / "runtime.db", SESSIONS, "copied")
+    make_db(copied / "tasks.db", TASKS, "copied")  # no lock file: only the databases say whose they are
+
+    result = keel(tmp_path, "state", "reset", "--state-dir", str(copied))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{copied}: removed runtime.db, tasks.db"
+    assert {p.name for p in copied.iterdir()} == {".keel.lock", ".keel-generation.lock"}
