@@ -44,16 +44,17 @@ from persistence.rollback import (
     roll_forward,
 )
 from persistence.statedir import (
-    DIR_MODE,
     RESIDUE_PREFIX,
     RecoveryError,
-    StateError,
     acquire_use,
     exclusive_use,
     fsync_dir,
     generation_lock,
+    list_state_dir,
     live_inventory,
+    make_state_dir,
     release_use,
+    require_directory,
 )
 
 
@@ -73,7 +74,7 @@ class RecoveryOutcome:
     def __str__(self) -> str:
         txid = self.transaction_id
         return {
-            RecoveryAction.FIRST_BOOT: "no state directory yet: nothing to recover (serve creates it)",
+            RecoveryAction.FIRST_BOOT: "no state directory yet: nothing to recover",
             RecoveryAction.CLEAN: "nothing to recover: no restore was interrupted",
             RecoveryAction.ROLLED_FORWARD: f"finished restore {txid}: the databases it restored are live",
             RecoveryAction.ROLLED_BACK: f"rolled back restore {txid}: the databases from before it are live again, byte for byte",
@@ -88,14 +89,14 @@ def recover(state_dir: Path) -> RecoveryOutcome:
     residue has nothing to recover, and is left as it is (no lock file is made in it): a restore
     makes its residue before it touches a live file and removes its journal last, so none is
     unfinished there, whatever runs now. Otherwise blocks while another process holds the
-    generation lock (a snapshot, restore or recovery in progress). Raises RecoveryError when the
+    generation lock (a snapshot, restore or recovery in progress). Raises UnusableStateDir for a
+    path that is not a directory or whose entries cannot be read, RecoveryError when the
     directory cannot be accounted for, and StateBusy when there is something to recover but a
     running process holds the directory.
     """
     if not os.path.lexists(state_dir):
         return RecoveryOutcome(RecoveryAction.FIRST_BOOT)
-    if not state_dir.is_dir() or state_dir.is_symlink():
-        raise RecoveryError(f"the state directory {state_dir} is not a directory")
+    require_directory(state_dir)
     if not _residue(state_dir):
         return RecoveryOutcome(RecoveryAction.CLEAN)
     with generation_lock(state_dir):
@@ -131,17 +132,12 @@ def hold_state_dir(state_dir: Path) -> HeldStateDir:
 
     Blocking (run it in a thread from async code): it waits while a snapshot, restore or
     recovery holds the generation lock. Raises RecoveryError when the directory cannot be
-    accounted for (the process must exit non-zero, never serve), and StateBusy when a restore or
-    reset holds it exclusively.
+    accounted for (the process must exit non-zero, never serve), UnusableStateDir when it cannot
+    be used (not a directory, or one that cannot be created or where no file can be made), and
+    StateBusy when a restore or reset holds it exclusively.
     """
     outcome = recover(state_dir)
-    try:
-        state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StateError(
-            f"cannot create the state directory {state_dir} ({exc.strerror}); "
-            "choose one that this user can create and write"
-        ) from exc
+    make_state_dir(state_dir)
     with generation_lock(state_dir):
         # A restore may have run between recover() and this lock; check again while nothing can.
         again = recover_locked(state_dir, exclusive_held=False)
@@ -186,7 +182,7 @@ def _recover_journal(state_dir: Path, journal: Journal, residue: list[str]) -> R
 
 def _residue(state_dir: Path) -> list[str]:
     """What a restore leaves in the directory while it works, sorted."""
-    return sorted(name for name in os.listdir(state_dir) if name.startswith(RESIDUE_PREFIX))
+    return sorted(name for name in list_state_dir(state_dir) if name.startswith(RESIDUE_PREFIX))
 
 
 def _staged_only(residue: list[str]) -> str | None:

@@ -34,20 +34,21 @@ from persistence.recovery import recover_locked
 from persistence.rollback import assert_live, cleanup, discard_unpublished, roll_back
 from persistence.schema import KEEL_SCHEMA_PREFIX, read_identity
 from persistence.statedir import (
-    DIR_MODE,
     DOCUMENT_MODE,
     LOCK_NAMES,
     RESIDUE_PREFIX,
     FileEvidence,
     NotAStateDir,
     RestoreError,
-    StateError,
     exclusive_use,
     fsync_dir,
     generation_lock,
     is_db_name,
+    list_state_dir,
     live_inventory,
     make_fresh_dir,
+    make_state_dir,
+    require_directory,
     write_all,
 )
 
@@ -66,12 +67,13 @@ def restore_snapshot(snapshot_dir: Path, state_dir: Path, *, rename: Rename = os
 
     Blocking; waits while another process snapshots, restores or recovers this directory.
     ``rename`` is the one seam every move goes through (crash tests replace it). Raises
-    SnapshotError (nothing touched) for a snapshot that fails validation, StateBusy while a
-    process serves the directory, RecoveryError when an earlier restore cannot be accounted for,
-    and RestoreError when the restore failed and the previous generation was put back.
+    SnapshotError (nothing touched) for a snapshot that fails validation, UnusableStateDir for a
+    state directory that cannot be used (saying why), StateBusy while a process serves the
+    directory, RecoveryError when an earlier restore cannot be accounted for, and RestoreError
+    when the restore failed and the previous generation was put back.
     """
     manifest = read_snapshot(snapshot_dir)
-    state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    make_state_dir(state_dir)
     with generation_lock(state_dir), exclusive_use(state_dir):
         recover_locked(state_dir, exclusive_held=True)
         return _Restore(snapshot_dir=snapshot_dir, state_dir=state_dir, manifest=manifest, rename=rename).run()
@@ -188,15 +190,14 @@ def reset_state(state_dir: Path) -> list[str]:
     """
     if not os.path.lexists(state_dir):
         return []
-    if not state_dir.is_dir() or state_dir.is_symlink():
-        raise StateError(f"the state directory {state_dir} is not a directory")
-    present = os.listdir(state_dir)
+    require_directory(state_dir)
+    present = list_state_dir(state_dir)
     if not present:
         return []
     if not _holds_keel_state(state_dir, present):
         raise NotAStateDir(state_dir)
     with generation_lock(state_dir), exclusive_use(state_dir):
-        names = [name for name in os.listdir(state_dir) if name not in LOCK_NAMES]
+        names = [name for name in list_state_dir(state_dir) if name not in LOCK_NAMES]
         names.sort(key=lambda name: (name == JOURNAL_NAME, name))
         for name in names:
             if name == JOURNAL_NAME:
@@ -231,8 +232,8 @@ def _is_keel_database(path: Path) -> bool:
 
 
 def _remove(path: Path) -> None:
-    """Remove a file or a directory tree; one already gone is fine (what `check` makes to try the
-    directory removes itself at once)."""
+    """Remove a file or a directory tree; one already gone is fine (what `check` or `state recover`
+    makes to try the directory removes itself at once)."""
     try:
         if stat.S_ISDIR(os.lstat(path).st_mode):
             shutil.rmtree(path)

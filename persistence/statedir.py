@@ -17,6 +17,9 @@ Three ``fcntl.flock`` locks guard the directory:
 None of the three is ever removed, not even by reset: a process may have one open, or be about to
 open it, and one that locked a removed file and one that locked the new file made in its place
 would each believe it held the lock alone.
+
+A directory that cannot be used (not a directory, or one the file system will not let Keel make
+its files in) is refused with UnusableStateDir, saying why in plain words, never an errno.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,6 +44,7 @@ USE_LOCK_NAME = ".keel.lock"
 SERVE_LOCK_NAME = ".keel-serve.lock"
 GENERATION_LOCK_NAME = ".keel-generation.lock"
 LOCK_NAMES = (USE_LOCK_NAME, GENERATION_LOCK_NAME, SERVE_LOCK_NAME)
+PROBE_PREFIX = ".keel-check-"  # what trying a directory makes, for as long as it takes to remove it
 RESIDUE_PREFIX = ".restore-"
 SIDECAR_SUFFIXES = ("-wal", "-shm", "-journal")
 DIR_MODE = 0o750
@@ -69,6 +74,18 @@ class AlreadyServed(StateError):
             f"another Keel server is serving the state directory {state_dir}; stop it first, or give this one"
             " another --state-dir (a state directory has one server at a time)"
         )
+
+
+CHOOSE_ANOTHER = "choose one this user can create, or make files in"
+
+
+class UnusableStateDir(StateError):
+    """The state directory cannot be used: ``why`` says so in plain words (also shown alone by ``check``)."""
+
+    def __init__(self, state_dir: Path, why: str, fix: str | None = CHOOSE_ANOTHER) -> None:
+        self.state_dir = state_dir
+        self.why = why
+        super().__init__(f"the state directory {state_dir} cannot be used: {why}" + ("" if fix is None else f"; {fix}"))
 
 
 class NotAStateDir(StateError):
@@ -199,6 +216,170 @@ def decode_document(data: bytes) -> dict[str, object]:
     return document
 
 
+def kind_of(mode: int) -> str:
+    """What a directory entry of this ``st_mode`` is, in words: "a file", "a device"..."""
+    for test, kind in (
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+SYMLINK = "it is a symbolic link; give the directory it points to"
+
+
+def not_a_directory(path: Path) -> str | None:
+    """Why ``path``, which exists, cannot be a state directory, or None when it is a directory.
+
+    A symbolic link is refused even when it points to a directory, as every state command and
+    the server refuse it.
+    """
+    mode = os.lstat(path).st_mode
+    if stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return SYMLINK
+    return f"it is {kind_of(mode)}, not a directory"
+
+
+def refusal(exc: OSError, made: str, where: Path) -> str:
+    """Why the file system would not make new ``made`` ("files", "directories") in the directory
+    ``where``, in plain words: no errno, and no "No such file or directory" for a directory that
+    is there (what /proc answers)."""
+    code = exc.errno
+    if code == errno.ENOENT and not os.path.isdir(where):
+        return "it no longer exists"
+    if code in (errno.ENOENT, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return f"its file system takes no new {made}"
+    if code == errno.EROFS:
+        return "its file system is read-only"
+    if code == errno.ENOSPC:
+        return "its file system is full"
+    if code == errno.EDQUOT:
+        return "this user's disk quota is used up"
+    if code in (errno.EACCES, errno.EPERM):
+        return "not even root may write in it" if os.geteuid() == 0 else "this user may not write in it"
+    return exc.strerror or str(exc)
+
+
+def write_refused(directory: Path) -> str | None:
+    """Why the permissions of ``directory`` (which exists) keep this user from making entries in
+    it, without trying; None when they allow it, and for root, whom permissions do not bind
+    (only trying tells: /proc takes no new file whoever asks)."""
+    if os.access(directory, os.W_OK | os.X_OK):
+        return None
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        return "its file system is read-only"
+    return None if os.geteuid() == 0 else "this user may not write in it"
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` made absolute, or the nearest of its parents that exists. Raises OSError when a
+    parent cannot be searched, or a name is too long: the path cannot be reached."""
+    absolute = path.absolute()
+    for candidate in (absolute, *absolute.parents):
+        try:
+            os.lstat(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        return candidate
+    return Path(absolute.anchor)
+
+
+def _nearest_reachable(state_dir: Path) -> Path:
+    try:
+        return nearest_existing(state_dir)
+    except OSError as exc:
+        raise UnusableStateDir(state_dir, f"it cannot be reached ({exc.strerror or exc})") from None
+
+
+def cannot_create(existing: Path, why: str) -> str:
+    """Why a directory to be made in ``existing`` (its nearest existing parent) cannot be."""
+    return f"no directory can be made in {existing} ({why}), so it cannot be created"
+
+
+def not_under(existing: Path) -> str:
+    """Why nothing can be made under ``existing``, which is not a directory."""
+    try:
+        mode = os.stat(existing).st_mode
+    except OSError:  # a symbolic link to nothing
+        mode = os.lstat(existing).st_mode
+    return f"{existing} is {kind_of(mode)}, so no directory can be made under it"
+
+
+def make_state_dir(state_dir: Path) -> None:
+    """Create the state directory and its parents unless it exists; raises UnusableStateDir
+    saying why when it is not a directory or cannot be created."""
+    if os.path.lexists(state_dir):
+        require_directory(state_dir)
+    try:
+        state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        existing = _nearest_reachable(state_dir)
+        if not os.path.isdir(existing):
+            raise UnusableStateDir(state_dir, not_under(existing)) from exc
+        raise UnusableStateDir(state_dir, cannot_create(existing, refusal(exc, "directories", existing))) from exc
+
+
+def require_directory(state_dir: Path) -> None:
+    """Refuse a state directory that exists but is not a directory (UnusableStateDir)."""
+    try:
+        why = not_a_directory(state_dir)
+    except OSError as exc:
+        raise UnusableStateDir(state_dir, f"it cannot be reached ({exc.strerror or exc})") from exc
+    if why is not None:
+        raise UnusableStateDir(state_dir, why, None if why == SYMLINK else CHOOSE_ANOTHER)
+
+
+def list_state_dir(state_dir: Path) -> list[str]:
+    """The names in the state directory; UnusableStateDir when they cannot be read."""
+    try:
+        return os.listdir(state_dir)
+    except OSError as exc:
+        if exc.errno == errno.ENOTDIR:
+            require_directory(state_dir)
+        why = "this user may not read it" if exc.errno in (errno.EACCES, errno.EPERM) else exc.strerror or str(exc)
+        raise UnusableStateDir(state_dir, f"its entries cannot be read ({why})") from exc
+
+
+def try_state_dir(state_dir: Path) -> None:
+    """What serve will do, tried, leaving nothing behind: make a file in the directory or, when it
+    does not exist yet, a directory in the nearest one that does, where serve would create it.
+    Permissions do not tell (root passes every check, and /proc takes no new file whoever asks).
+    Raises UnusableStateDir saying why not; what was made is removed at once."""
+    existing = _nearest_reachable(state_dir)
+    if existing == state_dir.absolute():
+        require_directory(state_dir)
+        try:
+            fd, made = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=existing)
+        except OSError as exc:
+            raise UnusableStateDir(state_dir, f"no file can be made in it ({refusal(exc, 'files', existing)})") from None
+        os.close(fd)
+        _remove_probe(made, os.unlink)
+        return
+    if not os.path.isdir(existing):
+        raise UnusableStateDir(state_dir, not_under(existing))
+    try:
+        made = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=existing)
+    except OSError as exc:
+        raise UnusableStateDir(state_dir, cannot_create(existing, refusal(exc, "directories", existing))) from None
+    _remove_probe(made, os.rmdir)
+
+
+def _remove_probe(made: str, remove: Callable[[str], None]) -> None:
+    try:
+        remove(made)
+    except FileNotFoundError:
+        pass  # a reset running meanwhile removed it first
+
+
 def make_fresh_dir(path: Path) -> None:
     """Create a directory that must not exist yet (a staging or quarantine directory)."""
     os.mkdir(path, DIR_MODE)
@@ -211,7 +392,13 @@ def _open_lock_file(state_dir: Path, name: str) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise StateError(f"the state lock {path} must not be a symlink") from exc
-        raise
+        if os.path.lexists(path):
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                raise StateError(f"the state lock {path} must be a regular file") from exc
+            raise UnusableStateDir(state_dir, f"its lock file {name} cannot be opened ({exc.strerror or exc})") from exc
+        if os.path.lexists(state_dir):
+            require_directory(state_dir)
+        raise UnusableStateDir(state_dir, f"no file can be made in it ({refusal(exc, 'files', state_dir)})") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise StateError(f"the state lock {path} must be a regular file")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import os
 import socket
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,15 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from persistence.statedir import (
+    UnusableStateDir,
+    cannot_create,
+    nearest_existing,
+    not_a_directory,
+    not_under,
+    try_state_dir,
+    write_refused,
+)
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
 from runtime.models.client import MISPLACED_AT, misplaced_at
 
@@ -99,7 +107,8 @@ def _public_url(text: str) -> str:
 
 
 def _state_dir(text: str) -> Path:
-    """A directory this user can write in, or one it can create (nothing is created here)."""
+    """A directory this user can write in, or one it can create (nothing is created here). Said
+    in the words serve and the state commands use for a state directory they cannot use."""
     path = Path(_non_empty(text))
     try:
         return _writable_dir(path)
@@ -108,38 +117,35 @@ def _state_dir(text: str) -> Path:
 
 
 def _writable_dir(path: Path) -> Path:
-    if path.exists() and not path.is_dir():
-        raise ValueError("it is a file, not a directory")
-    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    existing = nearest_existing(path)
+    if existing == path.absolute():
+        if why := not_a_directory(existing):
+            raise ValueError(why)
+        if why := write_refused(existing):
+            raise ValueError(f"no file can be made in it ({why})")
+        return path
     if not existing.is_dir():
-        raise ValueError(f"{existing} is a file, so no directory can be made under it")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        consequence = "" if existing == path.absolute() else ", so it cannot be created"
-        raise ValueError(f"this user cannot write in {existing}{consequence}")
+        raise ValueError(not_under(existing))
+    if why := write_refused(existing):
+        raise ValueError(cannot_create(existing, why))
     return path
 
 
-PROBE_PREFIX = ".keel-check-"  # what a probe makes, for as long as it takes to remove it
-
-
 def _can_make_state_dir(path: Path) -> None:
-    """What serve will do, tried: make a file in the directory, or, when it does not exist yet,
-    make a directory in the nearest one that does, where serve would create it. Permissions do
-    not tell (root passes every check, and /proc takes no new directory whoever asks); what is
-    made is removed at once."""
-    absolute = path.absolute()
-    existing = next(p for p in (absolute, *absolute.parents) if p.exists())
+    """What serve will do, tried, leaving nothing behind (persistence.statedir.try_state_dir)."""
     try:
-        if existing == absolute:
-            fd, made = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=existing)
-            os.close(fd)
-            os.unlink(made)
-        else:
-            os.rmdir(tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=existing))
-    except OSError as exc:
-        if existing == absolute:
-            raise ValueError(f"no file can be made in it ({exc.strerror or exc})") from None
-        raise ValueError(f"no directory can be made in {existing}, so it cannot be created ({exc.strerror or exc})") from None
+        try_state_dir(path)
+    except UnusableStateDir as exc:
+        raise ValueError(exc.why) from None
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OSError in plain words, without its errno: ``[Errno 20] Not a directory: 'x/y'`` reads
+    ``x/y: Not a directory``. One made with a message of its own is that message."""
+    if exc.errno is None or not exc.strerror:
+        return str(exc)
+    paths = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    return f"{' -> '.join(paths)}: {exc.strerror}" if paths else exc.strerror
 
 
 def _can_listen_on(host: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from persistence.errors import StoreError
-from runtime.config import BACKUP_ROOT_ENV, SETTINGS, Config, ConfigError, backup_root
+from runtime.config import BACKUP_ROOT_ENV, SETTINGS, Config, ConfigError, backup_root, os_error_text
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -101,7 +101,7 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     except* (StoreError, OSError) as group:  # startup refused: say why, no traceback
         failures.extend(_leaves(group))
     for failure in failures:
-        print(f"error: {failure}", file=sys.stderr)
+        print(f"error: {os_error_text(failure) if isinstance(failure, OSError) else failure}", file=sys.stderr)
     return 1 if failures else 0
 
 

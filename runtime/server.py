@@ -85,9 +85,9 @@ async def serve(
     The model is the OpenAI-compatible server ``config`` names, unless ``model`` is given: an
     in-process model (the benchmarks' zero-latency one) that also answers the readiness probe.
 
-    Raises RecoveryError, StateBusy, a StoreError (SchemaError, DatabaseBusy...) or an OSError
-    (the address cannot be listened on) before anything is served when the state directory or
-    the address cannot be used; the CLI turns those into a message and a non-zero exit.
+    Raises RecoveryError, UnusableStateDir, StateBusy, a StoreError (SchemaError, DatabaseBusy...)
+    or an OSError (the address cannot be listened on) before anything is served when the state
+    directory or the address cannot be used; the CLI turns those into a message and a non-zero exit.
     """
     agent = agent or default_agent(max_model_calls=config.max_model_calls)
     held = await trio.to_thread.run_sync(hold_state_dir, config.state_dir)  # steps 1 and 2

@@ -16,8 +16,8 @@ from pathlib import Path
 from persistence.recovery import RecoveryAction, recover
 from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
-from persistence.statedir import StateError, is_db_name
-from runtime.config import BACKUP_ROOT_ENV, default_backup_root
+from persistence.statedir import StateError, UnusableStateDir, is_db_name, try_state_dir
+from runtime.config import BACKUP_ROOT_ENV, default_backup_root, os_error_text
 
 DEFAULT_STATE_DIR = ".state"
 DEFAULT_KEEP = 7
@@ -120,8 +120,11 @@ def _guarded(command: Command) -> Command:
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
-        except (StateError, _UsageError, OSError) as exc:  # an OSError names its path
+        except (StateError, _UsageError) as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # what the file system refused elsewhere (a backup root, a snapshot)
+            print(f"error: {os_error_text(exc)}", file=sys.stderr)
             return 1
 
     return run
@@ -149,17 +152,28 @@ def _restore(args: argparse.Namespace) -> int:
 def _recover(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args)
     outcome = recover(state_dir)
-    if outcome.action is not RecoveryAction.CLEAN:
+    first_boot = outcome.action is RecoveryAction.FIRST_BOOT
+    if outcome.action is not RecoveryAction.CLEAN and not first_boot:
         print(f"{state_dir}: {outcome}")
         return 0
     # Recovery never opens a database; say which are there, and that what they hold is unchecked.
-    databases = sorted(name for name in os.listdir(state_dir) if is_db_name(name))
+    databases = [] if first_boot else sorted(filter(is_db_name, os.listdir(state_dir)))
     if databases:
-        found = f"its databases ({', '.join(databases)}) were not opened: what they hold is not checked"
+        print(f"{state_dir}: {outcome}; its databases ({', '.join(databases)}) were not opened: what they hold is not checked")
+        return 0
+    # What a server would begin with is promised only where one could begin: tried, as `check` tries it.
+    try:
+        try_state_dir(state_dir)
+    except UnusableStateDir as exc:
+        unusable = f"a server started by this user could not use it: {exc.why}"
+        found = f"; {unusable}" if first_boot else f"; it holds no databases, and {unusable}"
     else:
-        found = "it holds no databases (a server started on it begins with no tasks or conversations)"
-    print(f"{state_dir}: {outcome}; {found}")
+        found = " (serve creates it)" if first_boot else NO_DATABASES
+    print(f"{state_dir}: {outcome}{found}")
     return 0
+
+
+NO_DATABASES = "; it holds no databases (a server started on it begins with no tasks or conversations)"
 
 
 def _reset(args: argparse.Namespace) -> int:

@@ -377,6 +377,34 @@ async def test_a_reset_after_the_server_stopped_removes_its_databases_and_keeps_
     assert {name: (state / name).stat().st_ino for name in os.listdir(state)} == locks  # each the file it was
 
 
+AS_ROOT = os.geteuid() == 0  # root passes permission checks: what refuses it is the file system itself
+
+
+@pytest.mark.parametrize(
+    ("state_dir", "why"),
+    [
+        ("/proc", f"no file can be made in it ({'its file system takes no new files' if AS_ROOT else 'this user may not write in it'})"),
+        ("/sys", f"no file can be made in it ({'not even root may write in it' if AS_ROOT else 'this user may not write in it'})"),
+        (
+            "/proc/keelstate",
+            f"no directory can be made in /proc ({'its file system takes no new directories' if AS_ROOT else 'this user may not write in it'}),"
+            " so it cannot be created",
+        ),
+    ],
+)
+async def test_serve_on_a_state_directory_it_cannot_use_says_which_and_why_in_plain_words(
+    fake_model: FakeModel, state_dir: str, why: str
+) -> None:
+    refused = await run_serve_to_exit(Path(state_dir), fake_model.base_url)
+    assert refused.returncode == 1
+    said = refused.stderr.strip().splitlines()[-1]  # as root the state directory's message, else the configuration's
+    assert said in (
+        f"error: the state directory {state_dir} cannot be used: {why}; choose one this user can create, or make files in",
+        f"  - --state-dir='{state_dir}' is not valid: {why}",
+    )
+    assert "Errno" not in refused.stderr and "Traceback" not in refused.stderr
+
+
 async def test_the_model_call_budget_set_for_the_server_bounds_each_turn(tmp_path: Path, fake_model: FakeModel) -> None:
     fake_model.default = Reply(tool_calls=[Call("clock", "{}")])  # a model that never concludes
     async with (

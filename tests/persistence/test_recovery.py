@@ -17,6 +17,7 @@ from persistence.statedir import (
     RecoveryError,
     StateBusy,
     StateError,
+    UnusableStateDir,
     acquire_serving,
     encode_document,
     exclusive_use,
@@ -194,8 +195,9 @@ def test_recover_treats_a_missing_state_dir_as_first_boot_and_creates_nothing(tm
 
 def test_recover_refuses_a_state_dir_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "state").write_text("not a directory")
-    with pytest.raises(RecoveryError, match="is not a directory"):
+    with pytest.raises(UnusableStateDir) as caught:
         recover(tmp_path / "state")
+    assert str(caught.value) == f"the state directory {tmp_path / 'state'} cannot be used: it is a file, not a directory; choose one this user can create, or make files in"
 
 
 def test_recover_leaves_a_clean_state_dir_as_it_is(tmp_path: Path) -> None:
@@ -368,7 +370,8 @@ def test_a_state_directory_that_cannot_be_made_is_refused_by_name_and_with_what_
     with pytest.raises(StateError) as caught:
         hold_state_dir(where)
     assert str(caught.value) == (
-        f"cannot create the state directory {where} (No such file or directory); choose one that this user can create and write"
+        f"the state directory {where} cannot be used: no directory can be made in /proc (its file system takes no new"
+        " directories), so it cannot be created; choose one this user can create, or make files in"
     )
 
 

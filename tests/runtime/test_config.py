@@ -243,3 +243,35 @@ def test_check_refuses_a_backup_root_snapshot_would_refuse(tmp_path: Path, root:
     result = run_cli("check", env={"AGENT_STATE_DIR": str(state), "AGENT_BACKUP_ROOT": root})
     assert result.returncode == 1, result.stdout
     assert f"AGENT_BACKUP_ROOT='{root}' is not valid: {said}" in result.stderr
+
+
+AS_ROOT = os.geteuid() == 0  # root passes permission checks: what refuses it is the file system itself
+
+
+@pytest.mark.parametrize(
+    ("state_dir", "why"),
+    [
+        ("/dev/null", "it is a device, not a directory"),
+        ("/dev/null/state", "/dev/null is a device, so no directory can be made under it"),
+        ("/proc", f"no file can be made in it ({'its file system takes no new files' if AS_ROOT else 'this user may not write in it'})"),
+        ("/proc/1", f"no file can be made in it ({'its file system takes no new files' if AS_ROOT else 'this user may not write in it'})"),
+        (
+            "/proc/keelstate",
+            f"no directory can be made in /proc ({'its file system takes no new directories' if AS_ROOT else 'this user may not write in it'}),"
+            " so it cannot be created",
+        ),
+    ],
+)
+def test_check_says_what_keeps_serve_from_using_a_state_directory_as_it_is(state_dir: str, why: str) -> None:
+    result = run_cli("check", "--state-dir", state_dir, env={})
+    assert result.returncode == 1, result.stdout
+    assert f"--state-dir='{state_dir}' is not valid: {why}\n" in result.stderr
+    assert "Errno" not in result.stderr and "No such file or directory" not in result.stderr
+
+
+def test_check_refuses_a_symbolic_link_as_the_state_directory_as_serve_does(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    result = run_cli("check", "--state-dir", str(tmp_path / "link"), env={})
+    assert result.returncode == 1, result.stdout
+    assert "is not valid: it is a symbolic link; give the directory it points to\n" in result.stderr

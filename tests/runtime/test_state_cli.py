@@ -186,7 +186,7 @@ def test_a_state_command_the_file_system_refuses_says_why_without_a_traceback(tm
     result = keel(tmp_path, "state", "snapshot", "--backup-root", str(tmp_path / "a-file" / "backups"))
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr, result.stderr
-    assert "a-file" in result.stderr and "Not a directory" in result.stderr
+    assert "a-file" in result.stderr and "Not a directory" in result.stderr and "Errno" not in result.stderr
 
 
 NOTHING_TO_RECOVER = "nothing to recover: no restore was interrupted"
@@ -229,7 +229,16 @@ def test_state_recover_says_it_does_not_check_what_the_databases_hold(tmp_path: 
     assert snapshot.returncode == 1 and "tasks.db" in snapshot.stderr, snapshot.stderr
 
 
-# -- a directory that is not a state directory ------------------------------------------------------
+# -- a directory that is not a state directory, or that cannot be used ----------------------------
+
+AS_ROOT = os.geteuid() == 0  # root passes permission checks: what refuses it is the file system itself
+NO_NEW_FILES = f"no file can be made in it ({'its file system takes no new files' if AS_ROOT else 'this user may not write in it'})"
+NOT_IN_PROC = (
+    f"no directory can be made in /proc ({'its file system takes no new directories' if AS_ROOT else 'this user may not write in it'}),"
+    " so it cannot be created"
+)
+CHOOSE = "choose one this user can create, or make files in"
+LOCK_FILES = {".keel.lock", ".keel-generation.lock", ".keel-serve.lock"}
 
 
 def contents(directory: Path) -> dict[str, bytes]:
@@ -296,3 +305,64 @@ def test_state_reset_takes_keel_databases_copied_in_by_hand_for_a_state_director
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{copied}: removed runtime.db, tasks.db"
     assert {p.name for p in copied.iterdir()} == {".keel.lock", ".keel-generation.lock"}
+
+
+@pytest.mark.parametrize("command", ["snapshot", "restore", "recover", "reset"])
+def test_every_state_command_says_a_device_given_as_the_state_directory_is_not_a_directory(
+    tmp_path: Path, command: str
+) -> None:
+    args = ["restore", str(new_snapshot(tmp_path))] if command == "restore" else [command]
+
+    result = keel(tmp_path, "state", *args, "--state-dir", "/dev/null")
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: the state directory /dev/null cannot be used: it is a device, not a directory; {CHOOSE}"
+
+
+def test_state_restore_into_a_directory_no_file_can_be_made_in_says_which_and_why(tmp_path: Path) -> None:
+    result = keel(tmp_path, "state", "restore", str(new_snapshot(tmp_path)), "--state-dir", "/proc")
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: the state directory /proc cannot be used: {NO_NEW_FILES}; {CHOOSE}"
+
+
+def test_state_snapshot_whose_lock_file_is_not_a_file_names_it_without_an_errno(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    (state / ".keel-generation.lock").mkdir()
+
+    result = keel(tmp_path, "state", "snapshot")
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: the state lock {Path('.state') / '.keel-generation.lock'} must be a regular file"
+
+
+def test_every_state_command_refuses_a_symbolic_link_given_as_the_state_directory_as_serve_does(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to("real")
+    said = "error: the state directory link cannot be used: it is a symbolic link; give the directory it points to"
+
+    for args in (["recover"], ["snapshot"], ["reset"], ["restore", str(new_snapshot(tmp_path))]):
+        result = keel(tmp_path, "state", *args, "--state-dir", "link")
+        assert (result.returncode, result.stderr.strip()) == (1, said), args
+    assert list((tmp_path / "real").iterdir()) == []
+
+
+def test_state_recover_promises_a_server_only_a_directory_one_could_use(tmp_path: Path) -> None:
+    proc = keel(tmp_path, "state", "recover", "--state-dir", "/proc")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == (
+        f"/proc: {NOTHING_TO_RECOVER}; it holds no databases, and a server started by this user could not use it: {NO_NEW_FILES}"
+    )
+
+    under_proc = keel(tmp_path, "state", "recover", "--state-dir", "/proc/keelstate")
+    assert under_proc.returncode == 0, under_proc.stderr
+    assert under_proc.stdout.strip() == (
+        "/proc/keelstate: no state directory yet: nothing to recover; a server started by this user could not use it: "
+        + NOT_IN_PROC
+    )
+
+    fresh = keel(tmp_path, "state", "recover", "--state-dir", "new/state")
+    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.stdout.strip() == "new/state: no state directory yet: nothing to recover (serve creates it)"
+    assert not (tmp_path / "new").exists()  # what was tried was made and removed
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".keel-check-")]
