@@ -362,7 +362,7 @@ def try_state_dir(state_dir: Path) -> None:
         except OSError as exc:
             raise UnusableStateDir(state_dir, f"no file can be made in it ({refusal(exc, 'files', existing)})") from None
         os.close(fd)
-        _remove_probe(made, os.unlink)
+        _remove_probe(state_dir, made, os.unlink)
         return
     if not os.path.isdir(existing):
         raise UnusableStateDir(state_dir, not_under(existing))
@@ -370,14 +370,17 @@ def try_state_dir(state_dir: Path) -> None:
         made = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=existing)
     except OSError as exc:
         raise UnusableStateDir(state_dir, cannot_create(existing, refusal(exc, "directories", existing))) from None
-    _remove_probe(made, os.rmdir)
+    _remove_probe(state_dir, made, os.rmdir)
 
 
-def _remove_probe(made: str, remove: Callable[[str], None]) -> None:
+def _remove_probe(state_dir: Path, made: str, remove: Callable[[str], None]) -> None:
     try:
         remove(made)
     except FileNotFoundError:
         pass  # a reset running meanwhile removed it first
+    except OSError as exc:  # an append-only directory, say: it takes entries and lets none go
+        why = "the directory lets nothing be removed" if exc.errno in (errno.EACCES, errno.EPERM) else exc.strerror or str(exc)
+        raise UnusableStateDir(state_dir, f"what was made to try it, {made}, cannot be removed ({why}); remove it by hand") from None
 
 
 def make_fresh_dir(path: Path) -> None:
