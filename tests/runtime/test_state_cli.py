@@ -193,14 +193,20 @@ NOTHING_TO_RECOVER = "nothing to recover: no restore was interrupted"
 NO_DATABASES = "it holds no databases (a server started on it begins with no tasks or conversations)"
 
 
-def test_state_recover_on_a_directory_without_databases_says_so_and_makes_nothing_there(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [("recover", f"{NOTHING_TO_RECOVER}; {NO_DATABASES}"), ("reset", "nothing to remove")],
+)
+def test_state_recover_or_reset_of_an_empty_directory_says_so_and_makes_nothing_there(
+    tmp_path: Path, command: str, said: str
+) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
 
-    result = keel(tmp_path, "state", "recover", "--state-dir", str(empty))
+    result = keel(tmp_path, "state", command, "--state-dir", str(empty))
 
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"{empty}: {NOTHING_TO_RECOVER}; {NO_DATABASES}"
+    assert result.stdout.strip() == f"{empty}: {said}"
     assert list(empty.iterdir()) == []  # not even a lock file
 
 
@@ -282,17 +288,6 @@ def test_a_snapshot_and_a_reset_of_a_mistyped_state_directory_leave_it_as_it_was
     reset = keel(tmp_path, "state", "reset", "--state-dir", "scratch")
     assert reset.returncode == 1 and "is not a Keel state directory" in reset.stderr
     assert contents(scratch) == before
-
-
-def test_state_reset_of_an_empty_directory_removes_nothing_and_makes_nothing_there(tmp_path: Path) -> None:
-    empty = tmp_path / "empty"
-    empty.mkdir()
-
-    result = keel(tmp_path, "state", "reset", "--state-dir", str(empty))
-
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"{empty}: nothing to remove"
-    assert list(empty.iterdir()) == []
 
 
 def test_state_reset_takes_keel_databases_copied_in_by_hand_for_a_state_directory(tmp_path: Path) -> None:
