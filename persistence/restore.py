@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import sqlite3
 import stat
 from pathlib import Path
 
@@ -32,18 +31,16 @@ from persistence.journal import publish_journal, stage_journal
 from persistence.manifest import Manifest, read_snapshot
 from persistence.recovery import recover_locked
 from persistence.rollback import assert_live, cleanup, discard_unpublished, roll_back
-from persistence.schema import KEEL_SCHEMA_PREFIX, read_identity
 from persistence.statedir import (
     DOCUMENT_MODE,
     LOCK_NAMES,
-    RESIDUE_PREFIX,
     FileEvidence,
     NotAStateDir,
+    holds_keel_state,
     RestoreError,
     exclusive_use,
     fsync_dir,
     generation_lock,
-    is_db_name,
     list_state_dir,
     live_inventory,
     make_fresh_dir,
@@ -194,7 +191,7 @@ def reset_state(state_dir: Path) -> list[str]:
     present = list_state_dir(state_dir)
     if not present:
         return []
-    if not _holds_keel_state(state_dir, present):
+    if not holds_keel_state(state_dir, present):
         raise NotAStateDir(state_dir)
     with generation_lock(state_dir), exclusive_use(state_dir):
         names = [name for name in list_state_dir(state_dir) if name not in LOCK_NAMES]
@@ -205,30 +202,6 @@ def reset_state(state_dir: Path) -> list[str]:
             _remove(state_dir / name)
         fsync_dir(state_dir)
     return names
-
-
-def _holds_keel_state(state_dir: Path, names: list[str]) -> bool:
-    """Whether anything in ``names`` is Keel's: a lock file, restore residue, or a database that
-    says it is Keel's. A name alone does not tell for a database (``tasks.db`` could be anyone's)."""
-    if any(name in LOCK_NAMES or name.startswith(RESIDUE_PREFIX) for name in names):
-        return True
-    return any(is_db_name(name) and _is_keel_database(state_dir / name) for name in names)
-
-
-def _is_keel_database(path: Path) -> bool:
-    """Whether ``path`` is a SQLite database carrying a Keel schema identity; read only, and any
-    file SQLite cannot read that way is not."""
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            return False
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            identity = read_identity(conn)
-        finally:
-            conn.close()
-    except (sqlite3.Error, OSError):
-        return False
-    return identity is not None and identity.name.startswith(KEEL_SCHEMA_PREFIX)
 
 
 def _remove(path: Path) -> None:

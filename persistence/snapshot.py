@@ -26,6 +26,7 @@ from persistence.recovery import recover, recover_locked
 from persistence.schema import read_identity
 from persistence.statedir import (
     DIR_MODE,
+    holds_keel_state,
     PRIVATE_MODE,
     SnapshotError,
     encode_document,
@@ -70,7 +71,13 @@ def create_snapshot(
         raise SnapshotError(
             f"the backup root {backup_root} is inside the state directory {state_dir}; choose one outside it"
         )
-    _database_names(state_dir)  # refused before the lock, which would leave its file in a directory not Keel's
+    # Refused before the lock, which would leave its file in a directory not Keel's (and make it Keel's to reset).
+    _database_names(state_dir)
+    if not holds_keel_state(state_dir, os.listdir(state_dir)):
+        raise SnapshotError(
+            f"{state_dir} is not a Keel state directory: none of its databases carries a Keel schema identity;"
+            " check that --state-dir (or AGENT_STATE_DIR) names the state directory"
+        )
     with generation_lock(state_dir):
         recover_locked(state_dir, exclusive_held=False)
         names = _database_names(state_dir)

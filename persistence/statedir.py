@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import sqlite3
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
@@ -39,6 +40,7 @@ from pathlib import Path
 import attrs
 
 from persistence.errors import StoreError
+from persistence.schema import KEEL_SCHEMA_PREFIX, read_identity
 
 USE_LOCK_NAME = ".keel.lock"
 SERVE_LOCK_NAME = ".keel-serve.lock"
@@ -245,7 +247,11 @@ def not_a_directory(path: Path) -> str | None:
     if stat.S_ISDIR(mode):
         return None
     if stat.S_ISLNK(mode):
-        return SYMLINK
+        try:
+            target = os.stat(path).st_mode
+        except OSError:
+            return "it is a symbolic link to nothing, not a directory"
+        return SYMLINK if stat.S_ISDIR(target) else f"it is a symbolic link to {kind_of(target)}, not a directory"
     return f"it is {kind_of(mode)}, not a directory"
 
 
@@ -382,6 +388,40 @@ def _remove_probe(state_dir: Path, made: str, remove: Callable[[str], None]) -> 
         why = "the directory lets nothing be removed" if exc.errno in (errno.EACCES, errno.EPERM) else exc.strerror or str(exc)
         raise UnusableStateDir(state_dir, f"what was made to try it, {made}, cannot be removed ({why}); remove it by hand") from None
 
+
+
+def holds_keel_state(state_dir: Path, names: list[str]) -> bool:
+    """Whether ``names`` (what ``state_dir`` holds) are Keel's: restore residue or a database
+    carrying a Keel schema identity, or Keel's lock files beside no database of another program.
+    Lock files alone do not tell: serve makes them before it refuses another program's database,
+    and snapshot before it copies one (a name alone does not tell either: ``tasks.db`` could be
+    anyone's)."""
+    if any(name.startswith(RESIDUE_PREFIX) for name in names):
+        return True
+    owners = [_database_owner(state_dir / name) for name in names if is_db_name(name)]
+    if "keel" in owners:
+        return True
+    return any(name in LOCK_NAMES for name in names) and "other" not in owners
+
+
+def _database_owner(path: Path) -> str:
+    """"keel" for a SQLite database carrying a Keel schema identity, "other" for one holding
+    tables but no Keel identity, "unknown" for an empty or unreadable file. Read as an immutable
+    file: nothing is made beside it (no -wal, no -shm), whoever's it is."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return "unknown"
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+        try:
+            identity = read_identity(conn)
+            tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table'").fetchone()[0]
+        finally:
+            conn.close()
+    except (sqlite3.Error, OSError):
+        return "unknown"
+    if identity is not None and identity.name.startswith(KEEL_SCHEMA_PREFIX):
+        return "keel"
+    return "other" if tables else "unknown"
 
 def make_fresh_dir(path: Path) -> None:
     """Create a directory that must not exist yet (a staging or quarantine directory)."""
