@@ -26,13 +26,13 @@ from persistence.recovery import recover, recover_locked
 from persistence.schema import read_identity
 from persistence.statedir import (
     DIR_MODE,
-    holds_keel_state,
     PRIVATE_MODE,
     SnapshotError,
     encode_document,
     file_evidence,
     fsync_dir,
     generation_lock,
+    holds_keel_state,
     is_db_name,
     write_new_file,
 )

@@ -389,7 +389,6 @@ def _remove_probe(state_dir: Path, made: str, remove: Callable[[str], None]) -> 
         raise UnusableStateDir(state_dir, f"what was made to try it, {made}, cannot be removed ({why}); remove it by hand") from None
 
 
-
 def holds_keel_state(state_dir: Path, names: list[str]) -> bool:
     """Whether ``names`` (what ``state_dir`` holds) are Keel's: restore residue or a database
     carrying a Keel schema identity, or Keel's lock files beside no database of another program.
@@ -422,6 +421,7 @@ def _database_owner(path: Path) -> str:
     if identity is not None and identity.name.startswith(KEEL_SCHEMA_PREFIX):
         return "keel"
     return "other" if tables else "unknown"
+
 
 def make_fresh_dir(path: Path) -> None:
     """Create a directory that must not exist yet (a staging or quarantine directory)."""
