@@ -389,13 +389,19 @@ class Runner:
     async def get(self, owner: str, task_id: str, history_length: int | None = None) -> Task:
         live = self._live.get(task_id)
         if live is not None and live.owner == owner:
-            task = live.task
-            streamed = None if task.artifacts or task.status.state.is_terminal else live.streamed_answer()
-            if streamed is not None:  # what the streams have of the answer so far, for a client that polls
-                task = attrs.evolve(task, artifacts=(streamed,))
+            task = self._with_answer_so_far(live.task)
         else:
             task, _ = await load(self.tasks, owner, task_id)
         return task if history_length is None else trim_history(task, history_length, STORED_VERSION)
+
+    def _with_answer_so_far(self, task: Task) -> Task:
+        """``task`` with what the streams have of its answer so far, for a client that polls,
+        while a run of this process works on it and has stored no answer yet."""
+        live = self._live.get(task.id)
+        if live is None or task.artifacts or task.status.state.is_terminal:
+            return task
+        streamed = live.streamed_answer()
+        return task if streamed is None else attrs.evolve(task, artifacts=(streamed,))
 
     async def list_tasks(self, owner: str, params: ListTasksParams) -> ListTasksResult:
         after = params.status_timestamp_after
@@ -413,7 +419,7 @@ class Runner:
             raise InvalidParams("pageToken", problem=problem) from exc
         tasks = []
         for record in page.records:
-            task = decode(record)
+            task = self._with_answer_so_far(decode(record))
             if params.history_length is not None:
                 task = trim_history(task, params.history_length, STORED_VERSION)
             if not params.include_artifacts:

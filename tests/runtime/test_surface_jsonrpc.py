@@ -77,7 +77,7 @@ async def test_send_message_blocking_returns_the_completed_task(keel: Served) ->
     assert stored["status"]["state"] == "TASK_STATE_COMPLETED"
 
 
-async def test_a_working_task_polled_with_get_task_shows_the_answer_streamed_so_far(keel: Served) -> None:
+async def test_a_working_task_polled_with_get_task_or_list_tasks_shows_the_answer_streamed_so_far(keel: Served) -> None:
     keel.model.script = [Reply(text="The vault lease expired, and nobody renewed it.", chunk_chars=10, hang_after_chunks=3)]
     task = await keel.send("Why is checkout down?", blocking=False)
     so_far = [{"text": "The vault lease expi"}]  # the two pieces of text streamed before the model stalls
@@ -85,6 +85,11 @@ async def test_a_working_task_polled_with_get_task_shows_the_answer_streamed_so_
         while (polled := await keel.result("GetTask", {"id": task["id"]})).get("artifacts", [{}])[0].get("parts") != so_far:
             await trio.sleep(0.01)
     assert polled["status"]["state"] == "TASK_STATE_WORKING"
+    (listed,) = (await keel.result("ListTasks", {"contextId": task["contextId"], "includeArtifacts": True}))["tasks"]
+    assert listed["status"]["state"] == "TASK_STATE_WORKING"
+    assert listed["artifacts"][0]["parts"] == so_far
+    (bare,) = (await keel.result("ListTasks", {"contextId": task["contextId"]}))["tasks"]
+    assert "artifacts" not in bare  # only when asked for
     canceled = await keel.result("CancelTask", {"id": task["id"]})
     assert canceled["artifacts"][0]["parts"] == so_far  # kept, as polled
 
