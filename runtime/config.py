@@ -222,7 +222,7 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 8080
     state_dir: Path = Path(".state")
-    model_base_url: str = DEFAULT_BASE_URL
+    model_base_url: str = attrs.field(default=DEFAULT_BASE_URL, repr=without_credentials)
     model: str = DEFAULT_MODEL
     model_api_key: str | None = attrs.field(default=None, repr=False)
     drain_timeout_s: float = 10.0

@@ -57,6 +57,14 @@ def test_config_never_prints_the_api_key() -> None:
     assert "sk-very-secret" not in repr(config)
 
 
+def test_config_never_prints_the_credentials_or_query_values_of_the_model_url() -> None:
+    config = Config.load({"AGENT_MODEL_BASE_URL": "https://keel:pa55w0rd@models.example/v1?token=q-secret-1"})
+    assert config.model_base_url == "https://keel:pa55w0rd@models.example/v1?token=q-secret-1"
+    shown = repr(config)
+    assert "pa55w0rd" not in shown and "keel:" not in shown and "q-secret-1" not in shown
+    assert "models.example/v1?token=***" in shown
+
+
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
     return subprocess.run(
