@@ -36,15 +36,16 @@ from persistence.statedir import (
     LOCK_NAMES,
     FileEvidence,
     NotAStateDir,
-    holds_keel_state,
     RestoreError,
     exclusive_use,
     fsync_dir,
     generation_lock,
+    holds_keel_state,
     list_state_dir,
     live_inventory,
     make_fresh_dir,
     make_state_dir,
+    other_programs_databases,
     require_directory,
     write_all,
 )
@@ -181,9 +182,11 @@ def reset_state(state_dir: Path) -> list[str]:
 
     A directory that is missing or empty is left as it is (no lock file is made in it). One that
     holds something, but nothing of Keel's, is refused with NotAStateDir and left as it is too: a
-    mistyped path must not empty a directory of someone's files. Keel's are its lock files (what
-    uses a directory as a state directory makes them), a restore's residue, and databases that
-    carry a Keel schema identity. A directory that holds Keel's and other files is emptied of all.
+    mistyped path must not empty a directory of someone's files. Keel's are databases that carry
+    a Keel schema identity, a restore's residue, and its lock files (what uses a directory as a
+    state directory makes them) where no other program's database lies beside them: a serve or a
+    snapshot refused on another program's directory leaves them there. A directory that holds
+    Keel's and other files is emptied of all.
     """
     if not os.path.lexists(state_dir):
         return []
@@ -192,7 +195,8 @@ def reset_state(state_dir: Path) -> list[str]:
     if not present:
         return []
     if not holds_keel_state(state_dir, present):
-        raise NotAStateDir(state_dir)
+        others = other_programs_databases(state_dir, present)
+        raise NotAStateDir(state_dir, others, locks=any(name in LOCK_NAMES for name in present))
     with generation_lock(state_dir), exclusive_use(state_dir):
         names = [name for name in list_state_dir(state_dir) if name not in LOCK_NAMES]
         names.sort(key=lambda name: (name == JOURNAL_NAME, name))

@@ -33,7 +33,7 @@ import re
 import sqlite3
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -93,12 +93,19 @@ class UnusableStateDir(StateError):
 class NotAStateDir(StateError):
     """A directory given as the state directory that holds nothing of Keel's."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, others: Sequence[str] = (), *, locks: bool = False) -> None:
+        """``others``: the names of other programs' databases it holds; ``locks``: whether it
+        holds Keel's lock files too (a serve or a snapshot refused there makes them)."""
         self.state_dir = state_dir
+        if not others:
+            held = "it holds none of Keel's lock files, databases or restore residue"
+        else:
+            named = ", ".join(others)
+            held = f"it holds another program's {'database' if len(others) == 1 else 'databases'} ({named}) and "
+            held += "of Keel's only lock files, which a serve or snapshot refused there leaves" if locks else "nothing of Keel's"
         super().__init__(
-            f"{state_dir} is not a Keel state directory: it holds none of Keel's lock files, databases or restore"
-            " residue, so reset removed nothing from it; check that --state-dir (or AGENT_STATE_DIR) names the"
-            " state directory"
+            f"{state_dir} is not a Keel state directory: {held}, so reset removed nothing from it; check that"
+            " --state-dir (or AGENT_STATE_DIR) names the state directory"
         )
 
 
@@ -401,6 +408,11 @@ def holds_keel_state(state_dir: Path, names: list[str]) -> bool:
     if "keel" in owners:
         return True
     return any(name in LOCK_NAMES for name in names) and "other" not in owners
+
+
+def other_programs_databases(state_dir: Path, names: list[str]) -> list[str]:
+    """Which of ``names`` (what ``state_dir`` holds) are SQLite databases of another program."""
+    return [name for name in names if is_db_name(name) and _database_owner(state_dir / name) == "other"]
 
 
 def _database_owner(path: Path) -> str:

@@ -268,10 +268,18 @@ def test_state_reset_refuses_a_directory_that_holds_nothing_of_keels_and_removes
 
     assert result.returncode == 1
     assert result.stderr.strip() == (
+        "error: scratch is not a Keel state directory: it holds another program's database (tasks.db) and nothing of"
+        " Keel's, so reset removed nothing from it; check that --state-dir (or AGENT_STATE_DIR) names the state directory"
+    )
+    assert contents(scratch) == before  # not a file removed, and no lock file made
+    (scratch / "tasks.db").unlink()
+
+    result = keel(tmp_path, "state", "reset", "--state-dir", "scratch")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
         "error: scratch is not a Keel state directory: it holds none of Keel's lock files, databases or restore"
         " residue, so reset removed nothing from it; check that --state-dir (or AGENT_STATE_DIR) names the state directory"
     )
-    assert contents(scratch) == before  # not a file removed, and no lock file made
 
 
 def test_a_snapshot_and_a_reset_of_a_mistyped_state_directory_leave_it_as_it_was(tmp_path: Path) -> None:
