@@ -251,9 +251,9 @@ class Runner:
                 )  # fmt: skip
             except store_errors.MessageTaken as taken:
                 return await self._sent_before(owner, params.message, taken.task_id)
-            if context_id != params.message.context_id:  # minted here
+            started = self._start(self._live_task(owner, task, record.version))
+            if started and context_id != params.message.context_id:  # minted here (read when the run begins)
                 self._fresh[context_id] = task_id
-            self._start(self._live_task(owner, task, record.version))
         return task
 
     async def _sent_before(self, owner: str, message: Message, task_id: str) -> Task:
@@ -511,16 +511,18 @@ class Runner:
         if self._stopping.is_set():
             raise UnsupportedOperation("the server is shutting down and takes no new tasks; send it again once the server that replaces it is up")
 
-    def _start(self, live: LiveTask) -> None:
+    def _start(self, live: LiveTask) -> bool:
+        """Start the task's run in the runner's nursery; False if the runner has stopped."""
         if self._nursery is None:  # a send's task written after the runner stopped
             logger.warning("task %s was taken as the server stopped; the next process to start runs it", live.task.id)
-            return
+            return False
         self._live[live.task.id] = live
         if self._idle.is_set():
             self._idle = trio.Event()
         if self._drained:  # after the drain: recorded CANCELED, like the runs the drain cut
             live.scope.cancel()
         self._nursery.start_soon(self._execute, live, name=f"task {live.task.id}")
+        return True
 
     async def _execute(self, live: LiveTask) -> None:
         final: Outcome | None = None
@@ -557,11 +559,7 @@ class Runner:
                 if delay:
                     logger.info("task %s: its final state is stored now", live.task.id)
                 return True
-            except store_errors.VersionConflict:
-                # A write given up on when its bound ran out has landed since: start from it.
-                with contextlib.suppress(store_errors.StoreError, TimeoutError, TaskNotFound):
-                    await live.reload(self.tasks)
-            except (store_errors.StoreError, TimeoutError) as exc:
+            except (store_errors.StoreError, TimeoutError, TaskNotFound) as exc:
                 if live.end_stored:  # the first failure: said once, to the log and to whoever waits
                     logger.error("task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc)
                     live.close(end_stored=False)
@@ -664,8 +662,10 @@ class Runner:
         """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left
         hanging. Those of one context take their turns in the order they were created."""
         last_in_line: dict[str, trio.Event] = {}
-        for record in await self.tasks.unfinished():  # oldest first
-            task = decode(record)
+        # Every one read before any starts: one that cannot be read (UnreadableTask, naming it)
+        # stops the start with no run begun, rather than cancel the runs begun before it.
+        orphans = [(record, decode(record)) for record in await self.tasks.unfinished()]  # oldest first
+        for record, task in orphans:
             live = self._live_task(record.owner, task, record.version)
             if self.config.orphans == "resume":
                 logger.info("resuming task %s left %s by a process that stopped", task.id, task.status.state.value)
@@ -743,7 +743,15 @@ class _Working:
     async def wait(self) -> None:
         await self._done.wait()
         if self._error is not None:
-            raise self._error
+            raise WorkingNotStored(self.live.task.id) from self._error
+
+
+class WorkingNotStored(AgentError):
+    """The task's WORKING state could not be stored, so its run stops before the model is asked."""
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        super().__init__(f"task {task_id!r} could not be stored as working, so the run stopped before calling the model")
 
 
 def _check_same(message: Message, sent: Message, task: Task, where: str) -> Task:

@@ -124,7 +124,12 @@ async def _serve_in(
 ) -> None:
     state_dir = config.state_dir
     sessions = await SqliteSessionStore.open(state_dir / SESSIONS_FILE)  # step 5
-    tasks = await SqliteTaskStore.open(state_dir / TASKS_FILE)
+    try:
+        tasks = await SqliteTaskStore.open(state_dir / TASKS_FILE)
+    except BaseException:
+        with trio.move_on_after(config.cleanup_timeout_s, shield=True):
+            await sessions.aclose()
+        raise
     writers: list[trio.CancelScope] = []
     runner: Runner | None = None
     started = trio.Event()  # the server answers
@@ -148,9 +153,9 @@ async def _serve_in(
         if runner is not None:
             with trio.move_on_after(config.cleanup_timeout_s, shield=True):
                 await runner.wait_stopped()
-        with trio.move_on_after(config.cleanup_timeout_s, shield=True):
-            await tasks.aclose()
-            await sessions.aclose()
+        for store in (tasks, sessions):  # each with a bound of its own: one slow to close leaves the other its time
+            with trio.move_on_after(config.cleanup_timeout_s, shield=True):
+                await store.aclose()
         for scope in writers:  # what the bound left running
             scope.cancel()
 

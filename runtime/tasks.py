@@ -77,7 +77,25 @@ def encode(task: Task) -> str:
 
 
 def decode(record: TaskRecord) -> Task:
-    return Task.from_json(json.loads(record.task_json), STORED_VERSION)
+    try:
+        obj = json.loads(record.task_json)
+    except ValueError as exc:
+        raise UnreadableTask(record.id, f"its JSON does not parse: {exc}") from exc
+    try:
+        return Task.from_json(obj, STORED_VERSION)
+    except ProtocolError as exc:
+        raise UnreadableTask(record.id, str(exc).removeprefix("invalid params: ")) from exc
+
+
+class UnreadableTask(store_errors.StoreError):
+    """A task whose stored JSON this build cannot read: the row was damaged, or written by hand."""
+
+    def __init__(self, task_id: str, problem: str) -> None:
+        self.task_id = task_id
+        super().__init__(
+            f"task {task_id!r} in tasks.db cannot be read ({problem}); restore a snapshot taken before it was"
+            " damaged (python -m runtime state restore)"
+        )
 
 
 def agent_message(task: Task, text: str) -> Message:
@@ -138,6 +156,11 @@ async def load(tasks: TaskStore, owner: str, task_id: str) -> tuple[Task, int]:
     return decode(record), record.version
 
 
+# A write of a task takes it as stored and tries again when a write given up on has landed
+# meanwhile; more conflicts than this in a row mean something else writes the task.
+WRITE_ATTEMPTS = 3
+
+
 @attrs.define(eq=False)
 class LiveTask:
     """A task this process is running: its cancel scope, its newest persisted snapshot, and the
@@ -172,33 +195,37 @@ class LiveTask:
         One write at a time (the run and a steering request may both write), and ``change`` is
         applied under that lock to the task as it stands then, never to a copy read before the
         wait: otherwise a steer's message, or the run's new state, would be lost to whichever
-        write came second. Shielded, with a bound: a write that was queued always finishes, so
-        the version known here stays true.
+        write came second. Shielded, with a bound (TimeoutError). A write given up on when its
+        bound ran out is still queued, and may land after all: the next write then finds the
+        stored version newer than the one known here, takes the task as stored, and applies its
+        ``change`` to that.
         """
         task = self.task
         with trio.move_on_after(self.write_timeout_s, shield=True) as bound:
             async with holding(self._writing):
-                task = change(self.task)
-                if task is self.task:
-                    return task
-                record = await tasks.update(
-                    self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(task),
-                    expected_version=self.version, urgent=urgent,
-                )  # fmt: skip
-                self.version = record.version
-                self.task = task
+                for attempt in range(1, WRITE_ATTEMPTS + 1):
+                    task = change(self.task)
+                    if task is self.task:
+                        return task
+                    try:
+                        record = await tasks.update(
+                            self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION),
+                            task_json=encode(task), expected_version=self.version, urgent=urgent,
+                        )  # fmt: skip
+                    except store_errors.VersionConflict:
+                        if attempt == WRITE_ATTEMPTS:
+                            raise
+                        self.task, self.version = await load(tasks, self.owner, task.id)
+                        continue
+                    self.version = record.version
+                    self.task = task
+                    break
         if bound.cancelled_caught:
             raise TimeoutError(f"storing task {task.id!r} took longer than {self.write_timeout_s:g} s")
         self.publish(TaskStatusUpdateEvent(task_id=task.id, context_id=task.context_id, status=task.status))
         if task.status.state.is_terminal:
             self.close()
         return task
-
-    async def reload(self, tasks: TaskStore) -> None:
-        """Take the task and its version as stored: after a write given up on (its bound ran out)
-        has landed after all, the version known here is stale."""
-        async with holding(self._writing):
-            self.task, self.version = await load(tasks, self.owner, self.task.id)
 
     def subscribe(self) -> trio.MemoryReceiveChannel[StreamItem]:
         """A channel that starts with the task as it stands, then carries every event. It ends

@@ -128,11 +128,11 @@ class Health:
             free = await trio.to_thread.run_sync(_touch_and_measure, self.state_dir, abandon_on_cancel=True)
         except OSError as exc:
             logger.warning("readiness: the state directory %s is not writable: %r", self.state_dir, exc)
-            return f"state directory is not writable: {self.state_dir}"
+            return "state directory is not writable (the server log names it)"  # a path is the machine's, not a client's
         if free < self.min_free_bytes:
             # An empty file can still be made on a full disk; a task or an answer cannot be stored.
             logger.warning("readiness: the state directory %s has %d bytes free", self.state_dir, free)
-            return f"state directory is nearly full: {self.state_dir} has {free} bytes free"
+            return f"state directory is nearly full: {free} bytes free"
         return None
 
     async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:

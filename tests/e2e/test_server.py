@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from fake_model import FakeModel, Reply
@@ -94,3 +95,38 @@ async def test_a_steer_sent_while_the_answer_is_written_gets_one_more_step(tmp_p
     assert len(fake_model.bodies) == 2
     last_user = [m["content"] for m in fake_model.bodies[1]["messages"] if m["role"] == "user"][-1]
     assert last_user.endswith("Mention the steer.") and "while you were working" in last_user
+
+
+async def test_a_task_store_that_cannot_be_opened_stops_the_start_and_closes_the_session_store(
+    tmp_path: Path, fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+
+    import attrs
+
+    import runtime.server
+    from persistence.errors import DatabaseBusy
+    from persistence.sessions import SqliteSessionStore
+    from runtime.config import Config
+
+    opened: list[SqliteSessionStore] = []
+    open_sessions = SqliteSessionStore.open
+
+    async def open_and_keep(path: Path) -> SqliteSessionStore:
+        opened.append(await open_sessions(path))
+        return opened[-1]
+
+    async def busy(path: Path) -> None:  # another program holds tasks.db past the busy timeout
+        raise DatabaseBusy(path, sqlite3.OperationalError("database is locked"))
+
+    monkeypatch.setattr(runtime.server.SqliteSessionStore, "open", open_and_keep)
+    monkeypatch.setattr(runtime.server.SqliteTaskStore, "open", busy)
+    config = attrs.evolve(Config(), port=0, state_dir=tmp_path / "state", model_base_url=fake_model.base_url)
+
+    with pytest.raises(BaseExceptionGroup) as refused, trio.fail_after(30):
+        await runtime.server.serve(config, trio.Event())
+    assert refused.group_contains(DatabaseBusy, match="tasks.db")
+
+    [sessions] = opened
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        sessions.pool._conn.execute("SELECT 1")  # the connection was closed, not left to the collector

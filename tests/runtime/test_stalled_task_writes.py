@@ -1,0 +1,174 @@
+"""A task write that outlives its bound (another program holding tasks.db, a slow disk) and lands
+after all, and a stored task that cannot be read: what the runner makes of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import outcome
+import pytest
+import trio
+
+from persistence.api import TaskRecord
+from persistence.memory import MemorySessionStore, MemoryTaskStore
+from persistence.tasks import open_task_store
+from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart
+from runtime.agent import AgentSpec
+from runtime.runner import ANONYMOUS, Runner, RunnerConfig
+from runtime.tasks import UnreadableTask, decode, encode, new_id
+from tests.runtime.agent_support import Answer, ScriptedModel
+from tests.runtime.served import DEADLINE_S
+from tests.runtime.test_state_cli import keel
+
+WRITE_BOUND_S = 0.3  # RunnerConfig.cleanup_timeout_s: how long a task write may take
+
+
+@attrs.define(eq=False)
+class LateLanding(MemoryTaskStore):
+    """A task store whose held writes land only once ``release`` is set, and land then even if
+    the writer has stopped waiting for them, as a group-commit writer's queued write does."""
+
+    nursery: trio.Nursery | None = None
+    release: trio.Event = attrs.field(factory=trio.Event)
+    held_state: str | None = None  # writes of this state are held
+    _hold_next: bool = False
+
+    def hold_next(self) -> None:
+        self._hold_next = True
+
+    async def update(
+        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+    ) -> TaskRecord:
+        write = MemoryTaskStore.update
+        held = self._hold_next or state == self.held_state
+        if not held or self.release.is_set():
+            return await write(self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
+        self._hold_next = False
+        landed = trio.Event()
+        result: list[outcome.Outcome[TaskRecord]] = []
+
+        async def land() -> None:
+            await self.release.wait()
+            result.append(
+                await outcome.acapture(
+                    write, self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version
+                )
+            )
+            landed.set()
+
+        assert self.nursery is not None
+        self.nursery.start_soon(land)
+        await landed.wait()
+        return result[0].unwrap()
+
+
+def ask(text: str, task_id: str | None = None) -> SendMessageParams:
+    return SendMessageParams(message=Message(message_id=new_id(), role=Role.USER, parts=(TextPart(text),), task_id=task_id))
+
+
+async def stored(tasks: MemoryTaskStore, task_id: str) -> tuple[Task, int]:
+    record = await tasks.get(ANONYMOUS, task_id)
+    return decode(record), record.version
+
+
+async def until_stored(tasks: MemoryTaskStore, task_id: str, *, state: TaskState | None = None, after: int = 0) -> Task:
+    with trio.fail_after(DEADLINE_S):
+        while True:
+            task, version = await stored(tasks, task_id)
+            if version > after and (state is None or task.status.state is state):
+                return task
+            await trio.sleep(0.01)
+
+
+async def test_a_steer_whose_write_landed_after_its_bound_does_not_fail_the_writes_after_it() -> None:
+    async with trio.open_nursery() as nursery:
+        tasks = LateLanding(nursery=nursery)
+        model = ScriptedModel([Answer("Rolling back the deploy now.", hold=trio.Event())])
+        runner = Runner(MemorySessionStore(), tasks, model, AgentSpec(), RunnerConfig(cleanup_timeout_s=WRITE_BOUND_S))
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, ask("Roll back the deploy"))
+        await until_stored(tasks, task.id, state=TaskState.WORKING)
+        _, version = await stored(tasks, task.id)
+
+        tasks.hold_next()  # the steer's write waits on the disk past its bound
+        with pytest.raises(TimeoutError, match=task.id):
+            await runner.send(ANONYMOUS, ask("Check the logs too", task_id=task.id))
+        tasks.release.set()
+        await until_stored(tasks, task.id, after=version)  # and then lands
+
+        await runner.send(ANONYMOUS, ask("And the metrics", task_id=task.id))
+        canceled = await runner.cancel(ANONYMOUS, task.id)
+        assert canceled.status.state is TaskState.CANCELED
+        ended, _ = await stored(tasks, task.id)
+        assert ended.status.state is TaskState.CANCELED
+        said = [message.parts[0].text for message in ended.history]  # type: ignore[union-attr]
+        assert said == ["Roll back the deploy", "Check the logs too", "And the metrics"]
+        runner.stop()
+
+
+async def test_a_working_state_that_cannot_be_stored_fails_the_run_saying_so() -> None:
+    async with trio.open_nursery() as nursery:
+        tasks = LateLanding(nursery=nursery, held_state="TASK_STATE_WORKING")
+        model = ScriptedModel([Answer("Never asked for.")])
+        runner = Runner(MemorySessionStore(), tasks, model, AgentSpec(), RunnerConfig(cleanup_timeout_s=WRITE_BOUND_S))
+        await nursery.start(runner.run)
+        task = await runner.send(ANONYMOUS, ask("Roll back the deploy"))
+        with trio.fail_after(DEADLINE_S):
+            ended = await runner.wait_settled(ANONYMOUS, task.id)
+        tasks.release.set()  # the WORKING write lands late, behind the end: refused as stale
+        assert ended.status.state is TaskState.FAILED
+        said = ended.status.message.parts[0].text  # type: ignore[union-attr]
+        assert said == (
+            f"The task failed: task {task.id!r} could not be stored as working, so the run stopped before calling the model"
+        )
+        assert not model.requests
+        assert (await stored(tasks, task.id))[0].status.state is TaskState.FAILED
+        runner.stop()
+
+
+def working_record(tasks_json: str | None = None) -> tuple[str, str, str]:
+    """A task id, its context and its stored JSON: a WORKING task, or ``tasks_json`` as given."""
+    task_id, context_id = new_id(), new_id()
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),), task_id=task_id)
+    task = Task(id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.WORKING), history=(question,))
+    return task_id, context_id, encode(task) if tasks_json is None else tasks_json
+
+
+async def left_working(path: Path, *task_jsons: str | None) -> list[str]:
+    """tasks.db as a process killed mid-turn leaves it, with one WORKING task per JSON given."""
+    ids = []
+    async with open_task_store(path) as tasks:
+        for task_json in task_jsons:
+            task_id, context_id, text = working_record(task_json)
+            await tasks.create(ANONYMOUS, task_id=task_id, context_id=context_id, state="TASK_STATE_WORKING", task_json=text)
+            ids.append(task_id)
+    return ids
+
+
+@pytest.mark.parametrize("damage", ["{not json", json.dumps({"id": "x", "contextId": "y"})])
+async def test_an_unfinished_task_that_cannot_be_read_stops_the_start_before_any_run_begins(
+    tmp_path: Path, damage: str
+) -> None:
+    good, bad = await left_working(tmp_path / "tasks.db", None, damage)
+    async with open_task_store(tmp_path / "tasks.db") as tasks:
+        runner = Runner(MemorySessionStore(), tasks, ScriptedModel([Answer("Rolled back.")]), AgentSpec())
+        with pytest.raises(BaseExceptionGroup) as refused:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(runner.run)
+        assert refused.group_contains(UnreadableTask, match=f"^task {bad!r} in tasks.db cannot be read")
+        for task_id in (good, bad):  # the one before it was not begun, and so not canceled either
+            assert (await tasks.get(ANONYMOUS, task_id)).state == "TASK_STATE_WORKING"
+
+
+async def test_serve_names_the_unfinished_task_it_cannot_read_and_exits(tmp_path: Path) -> None:
+    (tmp_path / ".state").mkdir()
+    (_good, bad) = await left_working(tmp_path / ".state" / "tasks.db", None, "{not json")
+
+    result = await trio.to_thread.run_sync(lambda: keel(tmp_path, "serve", "--port", "0"))
+
+    assert result.returncode == 1
+    assert f"error: task {bad!r} in tasks.db cannot be read (its JSON does not parse: " in result.stderr
+    assert "restore a snapshot taken before it was damaged" in result.stderr
+    assert "Traceback" not in result.stderr
