@@ -128,7 +128,7 @@ class JsonRpcEndpoint:
             return json_response(success_response(request_id, result))  # encoding can fail too
         except ProtocolError as exc:
             return json_response(error_response(request_id, exc, target.version))
-        except (DatabaseFailed, StoreClosed) as exc:  # an outage, not a bug: one line in the log
+        except (DatabaseFailed, StoreClosed, TimeoutError) as exc:  # an outage (or a stalled disk), not a bug: one line in the log
             logger.error("JSON-RPC %s failed: %s", target.method, exc)
             return json_response(error_response(request_id, StorageFailed(f"{target.method!r}"), target.version))
         except Exception:

@@ -241,6 +241,7 @@ async def serve_keel(
     surface: SurfaceConfig = SurfaceConfig(),
     ready: bool = True,
     health_for: Callable[[Path, ModelClient], Health] = default_health,
+    runner_config: RunnerConfig = RunnerConfig(drain_timeout_s=0.1),
 ) -> AsyncIterator[Served]:
     """Open everything in ``state_dir`` and serve it on 127.0.0.1; tear it all down on exit.
 
@@ -256,7 +257,7 @@ async def serve_keel(
         open_model_client(model_config) as client,
         trio.open_nursery() as nursery,
     ):
-        runner: Runner = await nursery.start(Runner(sessions, tasks, client, agent, RunnerConfig(drain_timeout_s=0.1)).run)
+        runner: Runner = await nursery.start(Runner(sessions, tasks, client, agent, runner_config).run)
         readiness = Readiness()
         app = create_app(
             runner=runner, card_for=card_for_tests, health=health_for(state_dir, client), readiness=readiness, config=surface

@@ -4,12 +4,14 @@ after all, and a stored task that cannot be read: what the runner makes of them.
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import attrs
 import outcome
 import pytest
 import trio
+from fake_model import FakeModel, Reply
 
 from persistence.api import TaskRecord
 from persistence.memory import MemorySessionStore, MemoryTaskStore
@@ -19,7 +21,7 @@ from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import UnreadableTask, decode, encode, new_id
 from tests.runtime.agent_support import Answer, ScriptedModel
-from tests.runtime.served import DEADLINE_S
+from tests.runtime.served import DEADLINE_S, GATE_CALL, message, serve_keel
 from tests.runtime.test_state_cli import keel
 
 WRITE_BOUND_S = 0.3  # RunnerConfig.cleanup_timeout_s: how long a task write may take
@@ -172,3 +174,28 @@ async def test_serve_names_the_unfinished_task_it_cannot_read_and_exits(tmp_path
     assert f"error: task {bad!r} in tasks.db cannot be read (its JSON does not parse: " in result.stderr
     assert "restore a snapshot taken before it was damaged" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_a_steer_whose_write_outlives_its_bound_is_answered_as_a_storage_failure_and_lands_later(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    config = RunnerConfig(drain_timeout_s=0.1, cleanup_timeout_s=WRITE_BOUND_S)
+    async with serve_keel(tmp_path / "state", fake_model, runner_config=config) as keel:
+        keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done, with the staging runbook.")]
+        task = await keel.send("Fix checkout", blocking=False)
+        await keel.gate.wait_entered()
+        steer = message("Use the staging runbook", "1.0", taskId=task["id"])
+        other_program = sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None, check_same_thread=False)
+        try:
+            await trio.to_thread.run_sync(other_program.execute, "BEGIN IMMEDIATE")  # holds tasks.db's write lock
+            error = await keel.error("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
+            await trio.to_thread.run_sync(other_program.execute, "ROLLBACK")
+        finally:
+            other_program.close()
+        assert error["code"] == -32603
+        assert error["message"].startswith("the server's storage failed while handling 'SendMessage'"), error
+        keel.gate.opened.set()
+        with trio.fail_after(DEADLINE_S):
+            settled = await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    assert settled.status.state is TaskState.COMPLETED
+    assert steer["messageId"] in [m.message_id for m in settled.history]  # the write landed after all
