@@ -176,6 +176,34 @@ async def open_model_client(config: ModelConfig) -> AsyncIterator[ModelClient]:
         yield ModelClient(config, http)
 
 
+class _Body(httpx.AsyncByteStream):
+    """A request's body, whose iterators are not async generators.
+
+    httpx's own body for ``json=`` is one, and a send cancelled while it writes the body (a run
+    cancelled while it asks the model) leaves that generator unfinished, for the collector to
+    finalize later with a ResourceWarning."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def __aiter__(self) -> _OneChunk:
+        return _OneChunk(self._body)
+
+
+class _OneChunk:
+    def __init__(self, body: bytes) -> None:
+        self._body: bytes | None = body
+
+    def __aiter__(self) -> _OneChunk:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._body is None:
+            raise StopAsyncIteration
+        body, self._body = self._body, None
+        return body
+
+
 @attrs.frozen
 class _Failure:
     error: ModelError
@@ -262,6 +290,7 @@ class ModelClient:
             attempt += 1
             try:
                 request = self._http.build_request(method, url, json=body, headers=self._headers(accept), timeout=timeout)
+                request.stream = _Body(request.content)
                 response = await self._http.send(request, stream=True)
             except httpx.RequestError as exc:
                 failure = self._failure_to_send(exc, attempt)
