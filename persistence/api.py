@@ -95,16 +95,27 @@ class SessionStore(Protocol):
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         """The receipt of the steer left for the session with this message id, if one was."""
 
-    async def take_steers(self, session_id: str) -> list[str]:
-        """Hand out every waiting steer exactly once, oldest first, and forget them."""
+    async def take_steers(self, session_id: str, *, for_task: str | None = None) -> list[str]:
+        """Hand out every waiting steer exactly once, oldest first, and forget them.
+
+        With ``for_task`` (the task whose run takes them), a steer left for another task
+        (``add_steer``'s ``task_id``) is forgotten without being handed out: a session has one
+        run at a time, so that task's run has ended without taking it, and its task's record
+        is where it stays. It is never applied to a later task's question."""
 
     async def save_and_take_steers(
-        self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+        self,
+        session_id: str,
+        messages: Sequence[Message],
+        *,
+        placed: Callable[[str], Message] | None = None,
+        for_task: str | None = None,
     ) -> list[str]:
         """``save`` then ``take_steers`` as one step (one transaction where there are any): a
         save that fails takes nothing, so the steers wait for the next taker. With ``placed``,
         each steer taken is saved too, as the message ``placed`` makes of it, after ``messages``
-        and in the same step: a steer is never taken without being kept."""
+        and in the same step: a steer is never taken without being kept. ``for_task`` as for
+        ``take_steers``."""
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         """Exclusive turn on one session; different sessions never wait on each other."""

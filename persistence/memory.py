@@ -64,7 +64,7 @@ class MemorySessionData:
 
     events: dict[str, list[Event]] = attrs.field(factory=dict)
     states: dict[tuple[str, ...], str] = attrs.field(factory=dict)  # by ("session", id), ("app", name), ("user", app, id)
-    steers: dict[str, list[str]] = attrs.field(factory=dict)
+    steers: dict[str, list[tuple[str, str | None]]] = attrs.field(factory=dict)  # (text, the task it was left for)
     steer_receipts: dict[tuple[str, str], SteerReceipt] = attrs.field(factory=dict)  # by (session id, message id)
     verified: dict[str, list[Message]] = attrs.field(factory=dict)  # a session's first events, as the messages saved
     locks: TurnLocks = attrs.field(factory=TurnLocks)
@@ -146,28 +146,34 @@ class MemorySessionStore(_Closable):
             if (session_id, message_id) in self.data.steer_receipts:
                 return False
             self.data.steer_receipts[session_id, message_id] = SteerReceipt.of(text, task_id=task_id, sent_as=sent_as)
-        self.data.steers.setdefault(session_id, []).append(text)
+        self.data.steers.setdefault(session_id, []).append((text, task_id))
         return True
 
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         await self._enter()
         return self.data.steer_receipts.get((session_id, message_id))
 
-    async def take_steers(self, session_id: str) -> list[str]:
+    async def take_steers(self, session_id: str, *, for_task: str | None = None) -> list[str]:
         await self._enter()
-        return self.data.steers.pop(session_id, [])
+        return _for(self.data.steers.pop(session_id, []), for_task)
 
     async def save_and_take_steers(
-        self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+        self,
+        session_id: str,
+        messages: Sequence[Message],
+        *,
+        placed: Callable[[str], Message] | None = None,
+        for_task: str | None = None,
     ) -> list[str]:
         check_session_id(session_id)
         with naming_session(session_id, given=len(messages)):
             await self._enter()
-        waiting = self.data.steers.get(session_id, [])
+        waiting = _for(self.data.steers.get(session_id, []), for_task)
         if placed is not None and waiting:
             messages = [*messages, *map(placed, waiting)]
         self._save_now(session_id, messages)  # raises before anything is taken
-        return self.data.steers.pop(session_id, [])
+        self.data.steers.pop(session_id, None)
+        return waiting
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         return self.data.locks.hold(session_id)
@@ -203,6 +209,11 @@ class MemorySessionStore(_Closable):
         check_name("app name", app_name)
         check_name("user id", user_id)
         await self._set(("user", app_name, user_id), state)
+
+
+def _for(waiting: list[tuple[str, str | None]], task_id: str | None) -> list[str]:
+    """The texts of the steers ``task_id``'s run takes (see SessionStore.take_steers)."""
+    return [text for text, left_for in waiting if task_id is None or left_for is None or left_for == task_id]
 
 
 @attrs.define(eq=False)

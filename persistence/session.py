@@ -17,14 +17,16 @@ class Session:
 
     id: str
     store: SessionStore
+    task_id: str | None = None
+    """The task whose run this handle serves: steers left for another task are not its to take."""
 
     @classmethod
-    def open(cls, session_id: str, store: SessionStore | None) -> Session:
+    def open(cls, session_id: str, store: SessionStore | None, *, task_id: str | None = None) -> Session:
         if not session_id:
             raise ValueError("a session needs an id; an empty one would collect every conversation in a single bucket")
         if store is None:
             raise ValueError("a session needs a store; persistence.memory.MemorySessionStore lives as long as the process")
-        return cls(id=session_id, store=store)
+        return cls(id=session_id, store=store, task_id=task_id)
 
     @property
     def max_message_bytes(self) -> int:
@@ -48,7 +50,7 @@ class Session:
 
     async def take_steers(self) -> list[str]:
         with naming_session(self.id):
-            return await self.store.take_steers(self.id)
+            return await self.store.take_steers(self.id, for_task=self.task_id)
 
     async def save_and_take_steers(
         self, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
@@ -56,4 +58,4 @@ class Session:
         """Save, then take the steers waiting (saved after ``messages`` as ``placed`` makes
         them, if given), as one step: a failed save takes nothing."""
         with naming_session(self.id, given=len(messages)):
-            return await self.store.save_and_take_steers(self.id, messages, placed=placed)
+            return await self.store.save_and_take_steers(self.id, messages, placed=placed, for_task=self.task_id)

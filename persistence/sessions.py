@@ -88,9 +88,14 @@ def _v2(conn: sqlite3.Connection) -> None:
     )
 
 
+def _v3(conn: sqlite3.Connection) -> None:
+    # The task each steer was left for, if any: only that task's run takes it.
+    execute_ddl(conn, "ALTER TABLE steers ADD COLUMN task_id TEXT;")
+
+
 SESSIONS_SCHEMA = Schema(
     name="keel.sessions",
-    migrations=(_v1, _v2),
+    migrations=(_v1, _v2, _v3),
     tables=("sessions", "events", "app_states", "user_states", "steers", "steer_receipts"),
     since={"steer_receipts": 2},
 )
@@ -256,14 +261,16 @@ def _save_txn(
         lengths.written(contents)
 
 
-def _take_steers_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str) -> list[str]:
+def _take_steers_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, for_task: str | None = None
+) -> list[str]:
     if session_id in lengths.no_steers or lone_surrogate(session_id):
         return []
-    rows = conn.execute("SELECT id, text FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
+    rows = conn.execute("SELECT id, text, task_id FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
     if rows:
         conn.execute("DELETE FROM steers WHERE session_id = ? AND id <= ?", (session_id, rows[-1][0]))
     lengths.no_steers.add(session_id)
-    return [text for _, text in rows]
+    return [text for _, text, task_id in rows if for_task is None or task_id is None or task_id == for_task]
 
 
 def _add_steer_txn(
@@ -276,7 +283,10 @@ def _add_steer_txn(
         (session_id, message_id, receipt.task_id, receipt.sent_sha256, now),
     ).rowcount:
         return False
-    conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES (?, ?, ?)", (session_id, text, now))
+    conn.execute(
+        "INSERT INTO steers (session_id, text, task_id, created_at_ms) VALUES (?, ?, ?, ?)",
+        (session_id, text, receipt.task_id, now),
+    )
     lengths.no_steers.discard(session_id)
     return True
 
@@ -288,9 +298,10 @@ def _save_and_take_txn(
     messages: Sequence[Message],
     max_bytes: int,
     placed: Callable[[str], Message] | None,
+    for_task: str | None,
 ) -> list[str]:
     # Taken first, to be saved with the transcript; a save that fails undoes the take with it.
-    taken = _take_steers_txn(conn, lengths, session_id)
+    taken = _take_steers_txn(conn, lengths, session_id, for_task)
     if placed is not None and taken:
         messages = [*messages, *map(placed, taken)]
     _save_txn(conn, lengths, session_id, messages, max_bytes)
@@ -356,12 +367,17 @@ class SqliteSessionStore(WriterBacked):
         return decode_messages(session_id, [event.content for event in await self.events(session_id)])
 
     async def save_and_take_steers(
-        self, session_id: str, messages: Sequence[Message], *, placed: Callable[[str], Message] | None = None
+        self,
+        session_id: str,
+        messages: Sequence[Message],
+        *,
+        placed: Callable[[str], Message] | None = None,
+        for_task: str | None = None,
     ) -> list[str]:
         check_session_id(session_id)
         with naming_session(session_id, given=len(messages)):
             return await self._writer.submit(
-                _save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes, placed
+                _save_and_take_txn, self._lengths, session_id, messages, self.max_event_bytes, placed, for_task
             )
 
     async def add_steer(
@@ -387,8 +403,8 @@ class SqliteSessionStore(WriterBacked):
         )
         return None if row is None else SteerReceipt(task_id=row[0], sent_sha256=row[1])
 
-    async def take_steers(self, session_id: str) -> list[str]:
-        return await self._writer.submit(_take_steers_txn, self._lengths, session_id)
+    async def take_steers(self, session_id: str, *, for_task: str | None = None) -> list[str]:
+        return await self._writer.submit(_take_steers_txn, self._lengths, session_id, for_task)
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         return self._locks.hold(session_id)

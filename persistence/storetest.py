@@ -259,6 +259,24 @@ async def a_save_that_places_the_steers_it_takes_keeps_them_after_the_transcript
 
 
 @session_check
+async def a_task_run_takes_the_steers_left_for_it_or_for_none_and_drops_another_tasks(backend: Backend) -> None:
+    async with backend.sessions() as one, backend.sessions() as two:
+        await one.add_steer("s", "for the run that ended", message_id="m-1", task_id="task-1")
+        await one.add_steer("s", "for whichever run", message_id="m-2")
+        await one.add_steer("s", "for this run", message_id="m-3", task_id="task-2")
+        await one.add_steer("s", "also for whichever run")
+        taken = await two.save_and_take_steers("s", [user("q")], placed=user, for_task="task-2")
+        assert taken == ["for whichever run", "for this run", "also for whichever run"]
+        assert await two.messages("s") == [user("q"), *map(user, taken)]  # task-1's is not placed either
+        assert await one.take_steers("s") == [], "another task's steer was left for a later run"
+        await one.add_steer("s", "for the run that ended", task_id="task-1")
+        assert await two.take_steers("s", for_task="task-3") == []
+        assert await one.take_steers("s") == []
+        await one.add_steer("s", "for task-4", task_id="task-4")
+        assert await two.take_steers("s") == ["for task-4"]  # taken for no task in particular: all of them
+
+
+@session_check
 async def two_sessions_do_not_see_each_other(backend: Backend) -> None:
     async with backend.sessions() as store:
         await store.save("a", [user("for a")])

@@ -366,8 +366,8 @@ class Runner:
     async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
         """Record a steering message in the task's history, whoever writes the task meanwhile.
 
-        The steer itself is already stored: if the run ended in between, the next turn of the
-        conversation takes it, and the message is still recorded on this task.
+        The steer itself is already stored: if the run ended in between, it is recorded on this
+        task alone (a later task's run does not take a steer left for another task).
         """
         for _ in range(HISTORY_WRITE_ATTEMPTS):
             live = self._live.get(task.id)
@@ -575,7 +575,7 @@ class Runner:
         """One turn on the task's session: the agent loop, WORKING durable before the model is
         called, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
         task = live.task
-        session = Session.open(task.context_id, self.sessions)
+        session = Session.open(task.context_id, self.sessions, task_id=task.id)
         await self._wait_in_line(task.id)
         async with self._taking_turn(live):
             # The first turn of a context minted for this task has nothing stored to read. (Only

@@ -26,7 +26,7 @@ from persistence.snapshot import create_snapshot
 BLOB_BYTES = 1 << 20
 # How the generated state is shared between its databases (fractions of --mb).
 LAYOUT = (
-    ("runtime.db", SchemaIdentity("keel.sessions", 2), 0.5),
+    ("runtime.db", SchemaIdentity("keel.sessions", 3), 0.5),
     ("tasks.db", SchemaIdentity("keel.tasks", 1), 0.3),
     ("memory.db", None, 0.2),
 )

@@ -670,6 +670,21 @@ async def test_cancel_answers_with_canceled_on_disk_and_the_next_turn_follows_th
     assert stored[1].text.startswith("The leas") and stored[3].text == "Noon."
 
 
+async def test_a_steer_its_task_never_took_stays_with_that_task_and_never_reaches_the_next(keel: Served) -> None:
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="4.")]
+    first = await keel.send("Count to ten", blocking=False)
+    await keel.gate.wait_entered()  # working, in a tool: no model request to carry a steer yet
+    steer = message("In French, please", V1, taskId=first["id"])
+    await keel.result("SendMessage", {"message": steer, "configuration": {"returnImmediately": True}})
+    canceled = await keel.result("CancelTask", {"id": first["id"]})
+    assert [m["parts"][0]["text"] for m in canceled["history"]] == ["Count to ten", "In French, please"]  # kept there
+    second = await keel.send("What is 2+2?", contextId=first["contextId"])
+    assert second["status"]["state"] == "TASK_STATE_COMPLETED"
+    asked = [m.get("content") for m in keel.model.bodies[-1]["messages"]]
+    assert not any("In French" in str(content) for content in asked), asked
+    assert [m["parts"][0]["text"] for m in second["history"]] == ["What is 2+2?", "4."]
+
+
 @BOTH
 async def test_cancel_a_completed_task_is_not_cancelable(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(text="ok")]
