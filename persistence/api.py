@@ -153,10 +153,20 @@ class TaskPage:
 
 class TaskStore(Protocol):
     async def create(
-        self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str, message_id: str | None = None
+        self,
+        owner: str,
+        *,
+        task_id: str,
+        context_id: str,
+        state: str,
+        task_json: str,
+        message_id: str | None = None,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         """A new task at version 1. ``message_id``: the id of the message that starts it, which
-        starts no other task of this owner (MessageTaken names the one it did start)."""
+        starts no other task of this owner (MessageTaken names the one it did start).
+        ``updated_at_ms``: the time of its state (its status timestamp), which ``list`` orders
+        and filters by; now, by default."""
         ...
 
     async def get(self, owner: str, task_id: str) -> TaskRecord: ...
@@ -166,11 +176,19 @@ class TaskStore(Protocol):
         ...
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+        self,
+        owner: str,
+        task_id: str,
+        *,
+        state: str,
+        task_json: str,
+        expected_version: int | None,
+        urgent: bool = False,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         """Replace the task's state and JSON, checking ``expected_version`` unless None.
         ``urgent``: the write a client is waiting on (a cancel) goes ahead of writes queued for
-        the same commit, where the store has such a queue."""
+        the same commit, where the store has such a queue. ``updated_at_ms`` as for ``create``."""
         ...
 
     async def list(

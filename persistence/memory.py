@@ -225,7 +225,15 @@ class MemoryTaskStore(_Closable):
     started_by_message: dict[tuple[str, str], str] = attrs.field(factory=dict)  # (owner, first message id) -> task id
 
     async def create(
-        self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str, message_id: str | None = None
+        self,
+        owner: str,
+        *,
+        task_id: str,
+        context_id: str,
+        state: str,
+        task_json: str,
+        message_id: str | None = None,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
         await self._enter()
@@ -238,7 +246,7 @@ class MemoryTaskStore(_Closable):
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
-            created_at_ms=now, updated_at_ms=now, task_json=task_json,
+            created_at_ms=now, updated_at_ms=now if updated_at_ms is None else updated_at_ms, task_json=task_json,
         )  # fmt: skip
         self.tasks[task_id] = record
         return record
@@ -255,13 +263,22 @@ class MemoryTaskStore(_Closable):
         return record
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+        self,
+        owner: str,
+        task_id: str,
+        *,
+        state: str,
+        task_json: str,
+        expected_version: int | None,
+        urgent: bool = False,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, owner=owner, state=state, task_json=task_json)
         current = await self.get(owner, task_id)
         if expected_version is not None and expected_version != current.version:
             raise VersionConflict(task_id, expected_version, current.version)
-        new = attrs.evolve(current, state=state, task_json=task_json, version=current.version + 1, updated_at_ms=now_ms())
+        at = now_ms() if updated_at_ms is None else updated_at_ms
+        new = attrs.evolve(current, state=state, task_json=task_json, version=current.version + 1, updated_at_ms=at)
         self.tasks[task_id] = new
         return new
 

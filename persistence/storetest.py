@@ -756,6 +756,19 @@ async def a_bad_page_size_or_token_is_a_clear_error(backend: Backend) -> None:
 
 
 @task_check
+async def a_task_keeps_the_update_time_it_is_given_and_is_listed_by_it(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        made = await store.create("alice", task_id="t1", context_id="ctx", state=SUBMITTED, task_json="{}", updated_at_ms=2000)
+        assert made.updated_at_ms == 2000 and (await store.get("alice", "t1")).updated_at_ms == 2000
+        await store.create("alice", task_id="t2", context_id="ctx", state=SUBMITTED, task_json="{}", updated_at_ms=1000)
+        changed = await store.update("alice", "t2", state=WORKING, task_json="{}", expected_version=1, updated_at_ms=3000)
+        assert changed.updated_at_ms == 3000
+        assert [r.id for r in (await store.list("alice")).records] == ["t2", "t1"]  # by the times given, newest first
+        assert [r.id for r in (await store.list("alice", updated_after_ms=2000)).records] == ["t2"]  # strictly after
+        assert [r.id for r in (await store.list("alice", updated_after_ms=1999)).records] == ["t2", "t1"]
+
+
+@task_check
 async def unfinished_tasks_are_found_across_owners(backend: Backend) -> None:
     async with backend.tasks() as store:
         await make_task(store, "a", owner="alice")

@@ -114,11 +114,11 @@ def _create_txn(conn: sqlite3.Connection, record: TaskRecord, message_id: str | 
 
 
 def _update_txn(
-    conn: sqlite3.Connection, owner: str, task_id: str, state: str, task_json: str, expected: int | None
+    conn: sqlite3.Connection, owner: str, task_id: str, state: str, task_json: str, expected: int | None, at: int | None
 ) -> TaskRecord:
     # One statement, the version check in its WHERE: the old task (it grows with its history) is
     # never read back, and the pool's thread makes one round through the driver, not two.
-    updated = now_ms()
+    updated = now_ms() if at is None else at
     check, params = ("", ()) if expected is None else (" AND version = ?", (expected,))
     rows = conn.execute(
         "UPDATE tasks SET state = ?, version = version + 1, updated_at_ms = ?, task = ? WHERE id = ? AND owner = ?"
@@ -172,13 +172,21 @@ class SqliteTaskStore(WriterBacked):
         return cls(pool=await SqlitePool.open(path, TASKS_SCHEMA, synchronous=synchronous))
 
     async def create(
-        self, owner: str, *, task_id: str, context_id: str, state: str, task_json: str, message_id: str | None = None
+        self,
+        owner: str,
+        *,
+        task_id: str,
+        context_id: str,
+        state: str,
+        task_json: str,
+        message_id: str | None = None,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
-            created_at_ms=now, updated_at_ms=now, task_json=task_json,
+            created_at_ms=now, updated_at_ms=now if updated_at_ms is None else updated_at_ms, task_json=task_json,
         )  # fmt: skip
         return await self._writer.submit(_create_txn, record, message_id)
 
@@ -203,11 +211,19 @@ class SqliteTaskStore(WriterBacked):
         return None if row is None else str(row[0])
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+        self,
+        owner: str,
+        task_id: str,
+        *,
+        state: str,
+        task_json: str,
+        expected_version: int | None,
+        urgent: bool = False,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, owner=owner, state=state, task_json=task_json)
         return await self._writer.submit(
-            _update_txn, owner, task_id, state, task_json, expected_version, urgent=urgent
+            _update_txn, owner, task_id, state, task_json, expected_version, updated_at_ms, urgent=urgent
         )
 
     async def list(

@@ -52,11 +52,13 @@ from runtime.tasks import (
     answer_artifact,
     decode,
     encode,
+    epoch_ms,
     load,
     message_text,
     new_id,
     now,
     readable_text,
+    status_ms,
     with_status,
 )
 
@@ -247,7 +249,7 @@ class Runner:
             try:
                 record = await self.tasks.create(
                     owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
-                    task_json=encode(task), message_id=message.message_id,
+                    task_json=encode(task), message_id=message.message_id, updated_at_ms=status_ms(task),
                 )  # fmt: skip
             except store_errors.MessageTaken as taken:
                 return await self._sent_before(owner, params.message, taken.task_id)
@@ -379,7 +381,7 @@ class Runner:
             try:
                 await self.tasks.update(
                     owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(updated),
-                    expected_version=version,
+                    expected_version=version, updated_at_ms=status_ms(updated),
                 )  # fmt: skip
                 return updated
             except store_errors.VersionConflict:
@@ -410,7 +412,9 @@ class Runner:
                 owner,
                 context_id=params.context_id,
                 state=None if params.status is None else params.status.wire_name(STORED_VERSION),
-                updated_after_ms=None if after is None else int(after.timestamp() * 1000),
+                # Strictly after: a status time in whole milliseconds is after ``after`` exactly
+                # when it is after ``after`` rounded down to its millisecond.
+                updated_after_ms=None if after is None else epoch_ms(after),
                 page_size=params.page_size or DEFAULT_PAGE_SIZE,
                 page_token=params.page_token or "",
             )
@@ -459,7 +463,7 @@ class Runner:
         try:
             await self.tasks.update(
                 owner, task.id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
-                expected_version=version, urgent=True,
+                expected_version=version, urgent=True, updated_at_ms=status_ms(canceled),
             )  # fmt: skip
         except store_errors.VersionConflict:
             # It changed after it was read (a run that has just ended wrote it): judge it again.

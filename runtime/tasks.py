@@ -10,7 +10,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import attrs
 import trio
@@ -49,7 +49,23 @@ StreamItem = StreamEvent | ProtocolError
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    """The time for a task's status, to the millisecond: the precision tasks.db keeps it in, so
+    that ListTasks' statusTimestampAfter compares exactly what clients are shown."""
+    moment = datetime.now(timezone.utc)
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def epoch_ms(moment: datetime) -> int:
+    """Whole milliseconds since the Unix epoch, rounded down (exact: no floating point)."""
+    return (moment - _EPOCH) // timedelta(milliseconds=1)
+
+
+def status_ms(task: Task) -> int | None:
+    """The time of the task's status, as tasks.db keeps it (ListTasks orders and filters by it)."""
+    return None if task.status.timestamp is None else epoch_ms(task.status.timestamp)
 
 
 _IDS_AT_ONCE = 256
@@ -211,6 +227,7 @@ class LiveTask:
                         record = await tasks.update(
                             self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION),
                             task_json=encode(task), expected_version=self.version, urgent=urgent,
+                            updated_at_ms=status_ms(task),
                         )  # fmt: skip
                     except store_errors.VersionConflict:
                         if attempt == WRITE_ATTEMPTS:

@@ -60,12 +60,22 @@ class HeldCompletion(MemoryTaskStore):
     release: trio.Event = attrs.field(factory=trio.Event)
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+        self,
+        owner: str,
+        task_id: str,
+        *,
+        state: str,
+        task_json: str,
+        expected_version: int | None,
+        urgent: bool = False,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         if state == "TASK_STATE_COMPLETED":
             self.entered.set()
             await self.release.wait()
-        return await super().update(owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
+        return await super().update(
+            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, updated_at_ms=updated_at_ms
+        )
 
 
 async def test_the_drains_log_line_does_not_call_a_task_whose_run_had_ended_canceled(

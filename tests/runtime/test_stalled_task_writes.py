@@ -41,12 +41,23 @@ class LateLanding(MemoryTaskStore):
         self._hold_next = True
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+        self,
+        owner: str,
+        task_id: str,
+        *,
+        state: str,
+        task_json: str,
+        expected_version: int | None,
+        urgent: bool = False,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         write = MemoryTaskStore.update
         held = self._hold_next or state == self.held_state
         if not held or self.release.is_set():
-            return await write(self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version)
+            return await write(
+                self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version,
+                updated_at_ms=updated_at_ms,
+            )  # fmt: skip
         self._hold_next = False
         landed = trio.Event()
         result: list[outcome.Outcome[TaskRecord]] = []
@@ -55,8 +66,9 @@ class LateLanding(MemoryTaskStore):
             await self.release.wait()
             result.append(
                 await outcome.acapture(
-                    write, self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version
-                )
+                    write, self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version,
+                    updated_at_ms=updated_at_ms,
+                )  # fmt: skip
             )
             landed.set()
 

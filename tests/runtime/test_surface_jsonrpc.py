@@ -9,6 +9,7 @@ import json
 import logging
 import sqlite3
 from contextlib import closing
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -595,6 +596,21 @@ async def test_list_tasks_pages_through_a_context(keel: Served) -> None:
     stamps = [task["status"]["timestamp"] for task in page["tasks"] + last["tasks"]]
     assert stamps == sorted(stamps, reverse=True)  # newest first
     assert (await keel.result("ListTasks", {}))["totalSize"] == 4
+
+
+async def test_list_tasks_after_a_status_timestamp_gives_exactly_the_tasks_whose_status_is_later(keel: Served) -> None:
+    # What a client polling with the newest status timestamp it has seen relies on: no task it
+    # has seen comes back, and none whose status is later is left out.
+    keel.model.default = Reply(text="ok")
+    sent = [await keel.send(f"q{i}", contextId="poll-ctx") for i in range(5)]
+    moments = {task["id"]: datetime.fromisoformat(task["status"]["timestamp"]) for task in sent}
+    one_us = timedelta(microseconds=1)
+    for task in sent:
+        for given in (moments[task["id"]], moments[task["id"]] - one_us, moments[task["id"]] + one_us):
+            stamp = given.isoformat(timespec="microseconds").replace("+00:00", "Z")
+            listed = await keel.result("ListTasks", {"contextId": "poll-ctx", "statusTimestampAfter": stamp})
+            expected = {task_id for task_id, moment in moments.items() if moment > given}
+            assert {listed_task["id"] for listed_task in listed["tasks"]} == expected, stamp
 
 
 @pytest.mark.parametrize(

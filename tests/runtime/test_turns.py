@@ -158,7 +158,15 @@ class HeldWorking(SqliteTaskStore):
     fail: bool = attrs.field(default=False, kw_only=True)
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+        self,
+        owner: str,
+        task_id: str,
+        *,
+        state: str,
+        task_json: str,
+        expected_version: int | None,
+        urgent: bool = False,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         if state == TaskState.WORKING.wire_name(STORED_VERSION):
             self.entered.set()
@@ -166,7 +174,8 @@ class HeldWorking(SqliteTaskStore):
             if self.fail:
                 raise StoreClosed("tasks.db")
         return await super().update(
-            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent
+            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent,
+            updated_at_ms=updated_at_ms,
         )  # fmt: skip
 
 
@@ -265,10 +274,19 @@ class NotedStates(SqliteTaskStore):
     states: list[str] = attrs.field(factory=list, kw_only=True)
 
     async def update(
-        self, owner: str, task_id: str, *, state: str, task_json: str, expected_version: int | None, urgent: bool = False
+        self,
+        owner: str,
+        task_id: str,
+        *,
+        state: str,
+        task_json: str,
+        expected_version: int | None,
+        urgent: bool = False,
+        updated_at_ms: int | None = None,
     ) -> TaskRecord:
         record = await super().update(
-            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent
+            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent,
+            updated_at_ms=updated_at_ms,
         )  # fmt: skip
         self.states.append(state)
         return record
