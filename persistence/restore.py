@@ -32,8 +32,8 @@ from persistence.manifest import Manifest, read_snapshot
 from persistence.recovery import recover_locked
 from persistence.rollback import assert_live, cleanup, discard_unpublished, roll_back
 from persistence.statedir import (
-    DOCUMENT_MODE,
     LOCK_NAMES,
+    PRIVATE_MODE,
     FileEvidence,
     NotAStateDir,
     RestoreError,
@@ -158,7 +158,7 @@ def _copy_durably(source: Path, target: Path) -> FileEvidence:
     size = 0
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, DOCUMENT_MODE)
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE)
         try:
             while chunk := os.read(src, _CHUNK_BYTES):
                 digest.update(chunk)

@@ -24,6 +24,7 @@ from pathlib import Path
 from persistence.manifest import FORMAT_VERSION, MANIFEST_NAME, MARKER_NAME, DatabaseEntry, Manifest, check_supported
 from persistence.recovery import recover, recover_locked
 from persistence.schema import read_identity
+from persistence.sqlite import create_private
 from persistence.statedir import (
     DIR_MODE,
     PRIVATE_MODE,
@@ -169,6 +170,7 @@ def _copy_database(source: Path, copy: Path) -> DatabaseEntry:
     try:
         src = sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000)
         try:
+            create_private(copy)  # what it holds is the conversations: its owner's alone, as the live files are
             dst = sqlite3.connect(copy)
             try:
                 src.backup(dst)  # one step: a single read transaction, so the copy is consistent

@@ -9,6 +9,7 @@ cancellation.
 
 from __future__ import annotations
 
+import os
 import queue
 import sqlite3
 import threading
@@ -38,6 +39,17 @@ def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_
         )
 
 
+def create_private(path: Path) -> None:
+    """Create ``path`` empty, readable and writable by its owner alone, unless it exists: the
+    database SQLite then opens there, and the ``-wal`` and ``-shm`` files it makes beside it (with
+    the database's permissions), hold conversations. Blocking."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
+
+
 def connect(path: Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
     """A connection with Keel's settings. Blocking: call it from a worker thread."""
     if synchronous not in SYNCHRONOUS:
@@ -46,6 +58,7 @@ def connect(path: Path, *, synchronous: str = "FULL", readonly: bool = False) ->
     if readonly:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
     else:
+        create_private(path)
         # isolation_level=None: no implicit transactions; every write says BEGIN IMMEDIATE itself.
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
@@ -263,7 +276,7 @@ class SqlitePool:
             inspect(path, schema)  # refuse before anything (even the switch to WAL) touches the file
             try:
                 conn = connect(path, synchronous=synchronous)
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, OSError) as exc:
                 raise DatabaseFailed(path, exc) from exc
             try:
                 migrate(path, conn, schema)

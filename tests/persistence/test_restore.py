@@ -53,6 +53,8 @@ def test_restore_publishes_exactly_the_snapshot_and_drops_old_files_and_sidecars
     assert result.restored == ("memory.db", "runtime.db", "tasks.db")
     assert "runtime.db-wal" in result.replaced and "incidents.db-journal" in result.replaced
     assert labels(state_dir / "tasks.db") == ["new-0", "new-1", "new-2", "new-3"]
+    for path in [*snapshot.glob("*.db"), *state_dir.glob("*.db")]:  # conversations: their owner's alone
+        assert os.stat(path).st_mode & 0o777 == 0o600, path
 
 
 def test_restore_into_a_missing_state_dir_creates_it(tmp_path: Path) -> None:

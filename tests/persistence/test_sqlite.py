@@ -40,6 +40,17 @@ async def test_sqlite_pool_uses_wal_full_sync_foreign_keys_and_a_busy_timeout(tm
     assert settings == ["wal", 2, 1, 5000]  # synchronous 2 = FULL
 
 
+async def test_a_database_and_the_files_sqlite_makes_beside_it_are_their_owners_alone(tmp_path: Path) -> None:
+    old = os.umask(0o022)  # a usual umask: what it lets through, Keel's files must not
+    try:
+        async with open_session_store(tmp_path / "runtime.db") as store:
+            await store.save("s", [Message(role="user", text="what the conversation said")])
+            for name in ("runtime.db", "runtime.db-wal", "runtime.db-shm"):
+                assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600, name
+    finally:
+        os.umask(old)
+
+
 def test_a_transaction_commits_its_writes_and_rolls_back_on_error_and_never_nests(tmp_path: Path) -> None:
     conn = connect(tmp_path / "t.db")
     conn.execute("CREATE TABLE t (v INTEGER)")
