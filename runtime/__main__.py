@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-# Each command module exposes ``add_parser(subparsers)``; the parser it adds sets
-# ``func`` to a callable taking the parsed namespace and returning an exit code.
+# Each command module exposes ``add_parser(subparsers)``; each command's parser sets ``func``
+# to a callable taking the parsed namespace and returning an exit code, and ``parser`` to itself.
 COMMAND_MODULES: tuple[str, ...] = ("runtime.serve_cli", "runtime.state_cli")
 
 
@@ -23,10 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser (its ``parser`` default), with its usage
+        command: argparse.ArgumentParser = args.parser
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     func: Callable[[argparse.Namespace], int] = args.func
     return func(args)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,12 +27,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "timeout, cancel the rest, exit 0.",
     )
     _add_setting_flags(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, parser=serve)
     check = subparsers.add_parser(
         "check", help="validate the configuration and print every problem at once (exit 1 if any)"
     )
     _add_setting_flags(check)
-    check.set_defaults(func=_check)
+    check.set_defaults(func=_check, parser=check)
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:

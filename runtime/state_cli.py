@@ -48,24 +48,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--keep", type=_positive, default=DEFAULT_KEEP, help=f"complete snapshots to keep (default {DEFAULT_KEEP})"
     )
     snapshot.add_argument("--timestamp", help="the snapshot's name, like 20260131T235959Z (default: now, UTC)")
-    snapshot.set_defaults(func=_guarded(_snapshot))
+    snapshot.set_defaults(func=_guarded(_snapshot), parser=snapshot)
 
     restore = actions.add_parser(
         "restore", help="replace the live databases with a snapshot's, all or nothing (servers must be stopped)"
     )
     restore.add_argument("snapshot", type=Path, metavar="SNAPSHOT", help="a published snapshot directory")
     _add_state_dir(restore)
-    restore.set_defaults(func=_guarded(_restore))
+    restore.set_defaults(func=_guarded(_restore), parser=restore)
 
     recover_cmd = actions.add_parser(
         "recover", help="finish or roll back an interrupted restore, or say why the state cannot be accounted for"
     )
     _add_state_dir(recover_cmd)
-    recover_cmd.set_defaults(func=_guarded(_recover))
+    recover_cmd.set_defaults(func=_guarded(_recover), parser=recover_cmd)
 
     reset = actions.add_parser("reset", help="remove all runtime state (refused while any process holds it)")
     _add_state_dir(reset)
-    reset.set_defaults(func=_guarded(_reset))
+    reset.set_defaults(func=_guarded(_reset), parser=reset)
 
 
 def _add_state_dir(parser: argparse.ArgumentParser) -> None:

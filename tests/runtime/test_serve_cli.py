@@ -1,9 +1,11 @@
-"""The serve command's own process settings."""
+"""The serve command's own process settings, and what the command line says of a flag it does not know."""
 
 from __future__ import annotations
 
 import gc
 import socket
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -44,3 +46,16 @@ def test_an_address_a_server_still_starting_has_taken_is_refused_to_a_second() -
         second.release_address()
     second.take_address()  # once the first has let go
     second.release_address()
+
+
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [(["check"], "python -m runtime check"), (["serve"], "python -m runtime serve"), (["state", "reset"], "python -m runtime state reset")],
+)
+def test_an_unknown_flag_is_refused_with_the_usage_of_the_command_it_was_given_to(command: list[str], usage: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime", *command, "--bogus"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"usage: {usage} ")
+    assert result.stderr.rstrip().endswith(f"{usage}: error: unrecognized arguments: --bogus")
