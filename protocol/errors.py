@@ -179,9 +179,10 @@ class UnsupportedOperation(ProtocolError):
 class TaskIsTerminal(UnsupportedOperation):
     """``state`` in words ("completed"), the same for every protocol version."""
 
-    def __init__(self, task_id: str, state: str, action: str) -> None:
+    def __init__(self, task_id: str, state: str, action: str, *, instead: str = "") -> None:
+        """``instead``: what to do instead, in words that follow a semicolon."""
         self.task_id = task_id
-        super().__init__(f"task {task_id!r} has ended ({state}) and cannot {action}")
+        super().__init__(f"task {task_id!r} has ended ({state}) and cannot {action}" + (f"; {instead}" if instead else ""))
 
 
 class InvalidTransition(UnsupportedOperation):

@@ -84,6 +84,11 @@ def part_from_json(obj: object, version: ProtocolVersion, path: str) -> Part:
 def _part_v1(reader: JsonReader) -> Part:
     present = [key for key in _V1_CONTENT if reader.has(key)]
     if len(present) != 1:
+        null = next((key for key in _V1_CONTENT if key in reader.obj and reader.obj[key] is None), None)
+        if not present and null is not None:  # null reads as unset, which left the part empty
+            raise InvalidParams(
+                reader.at(null), problem="is null; give it a value (a part holds exactly one of 'text', 'raw', 'url', 'data')"
+            )
         raise InvalidParams(reader.path, "an object with exactly one of 'text', 'raw', 'url', 'data'", got=reader.obj)
     media_type = reader.opt_string("mediaType")
     metadata = reader.opt_object("metadata")

@@ -337,7 +337,10 @@ class Runner:
                 _check_receipt(receipt, message, task_id)
                 return await self._add_to_history(owner, task, version, message)
         if state.is_terminal:
-            raise TaskIsTerminal(task_id, state.value, "take a message")
+            raise TaskIsTerminal(
+                task_id, state.value, "take a message",
+                instead=f"send it without a taskId, with contextId {task.context_id!r}, to start the conversation's next task",
+            )  # fmt: skip
         if ending:
             raise UnsupportedOperation(
                 f"task {task_id!r} has finished its run, and its end is being recorded; send this message without a "

@@ -37,7 +37,7 @@ from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 
 from runtime.runner import ANONYMOUS
-from runtime.surface.card import CardEndpoint, CardFor
+from runtime.surface.card import CARD_PATH, CardEndpoint, CardFor
 from runtime.surface.health import NOT_STARTED, Health, Readiness
 from runtime.surface.jsonrpc import JsonRpcEndpoint, json_response
 
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     from runtime.runner import Runner
 
 logger = logging.getLogger(__name__)
-
-CARD_PATH = "/.well-known/agent-card.json"
 
 
 def _absolute_path(_instance: object, _attribute: object, path: str) -> None:

@@ -24,6 +24,8 @@ from quart import Response, request
 
 from protocol import AgentCard, encode_json
 
+CARD_PATH = "/.well-known/agent-card.json"
+
 CardFor = Callable[[str], AgentCard]
 """Given the URL the JSON-RPC endpoint is reached at, the card to serve."""
 

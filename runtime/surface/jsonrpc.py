@@ -51,6 +51,7 @@ from protocol import (
     success_response,
     trim_history,
 )
+from runtime.surface.card import CARD_PATH
 from runtime.surface.streams import TaskEventStream, event_stream_response
 
 if TYPE_CHECKING:
@@ -167,9 +168,12 @@ class JsonRpcEndpoint:
         return (await self.runner.cancel(self.owner, target.id)).to_json(version)
 
     async def _extended_card(self, params: Params, version: ProtocolVersion) -> object:
-        # The card says it has none; the reference answers -32004.
+        # The card says it has none; the reference answers -32004, in 0.3 as in 1.0 (wire captures).
         field = "capabilities.extendedAgentCard" if version is ProtocolVersion.V1_0 else "supportsAuthenticatedExtendedCard"
-        raise UnsupportedOperation(f"this agent has no extended agent card (its card leaves {field} out: false)")
+        raise UnsupportedOperation(
+            f"this agent has no extended agent card (its agent card does not set {field}); "
+            f"the public card at {CARD_PATH} is all there is"
+        )
 
     _unary: ClassVar[dict[Operation, Callable[[JsonRpcEndpoint, Params, ProtocolVersion], Awaitable[object]]]] = {
         Operation.SEND_MESSAGE: _send_message,

@@ -45,9 +45,17 @@ def test_message_without_message_id_names_the_field() -> None:
     )
 
 
-def test_message_role_from_the_other_version_is_rejected() -> None:
+def test_message_role_from_the_other_version_is_rejected_saying_which_header_that_version_sends() -> None:
     assert bad({"messageId": "m", "role": "user", "parts": [{"text": "x"}]}, V1) == (
-        "invalid params: 'message.role' must be 'ROLE_USER' or 'ROLE_AGENT', got string 'user'"
+        "invalid params: 'message.role' must be 'ROLE_USER' or 'ROLE_AGENT' in A2A 1.0, got 'user', the A2A 0.3 spelling;"
+        " an A2A 0.3 client sends its requests without an A2A-Version header"
+    )
+    assert bad({"kind": "message", "messageId": "m", "role": "ROLE_USER", "parts": [{"kind": "text", "text": "x"}]}, V03) == (
+        "invalid params: 'message.role' must be 'user' or 'agent' in A2A 0.3, got 'ROLE_USER', the A2A 1.0 spelling;"
+        " an A2A 1.0 client sends its requests with the header A2A-Version: 1.0"
+    )
+    assert bad({"messageId": "m", "role": "ROLE_ADMIN", "parts": [{"text": "x"}]}, V1) == (
+        "invalid params: 'message.role' must be 'ROLE_USER' or 'ROLE_AGENT', got string 'ROLE_ADMIN'"
     )
 
 
@@ -99,6 +107,11 @@ def test_part_1_0_needs_exactly_one_content_field() -> None:
         part_from_json({"text": "a", "data": {}}, V1, "p")
     with pytest.raises(InvalidParams, match="got an object with keys 'mediaType'"):
         part_from_json({"mediaType": "text/plain"}, V1, "p")
+    with pytest.raises(InvalidParams) as null:  # null reads as unset: say so, not "one of ... got 'text'"
+        part_from_json({"text": None}, V1, "p")
+    assert str(null.value) == (
+        "invalid params: 'p.text' is null; give it a value (a part holds exactly one of 'text', 'raw', 'url', 'data')"
+    )
 
 
 def test_part_0_3_shapes_decode_to_each_kind() -> None:

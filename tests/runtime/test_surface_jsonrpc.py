@@ -159,7 +159,10 @@ async def test_send_to_a_terminal_task_is_unsupported_operation(keel: Served, ve
     done = await keel.send("one", version=version)
     error = await keel.error(SEND[version], send_params("again", version, taskId=done["id"]), version=version)
     check_error(error, -32004, version, "UNSUPPORTED_OPERATION")
-    assert done["id"] in error["message"]
+    assert error["message"] == (
+        f"task {done['id']!r} has ended (completed) and cannot take a message; send it without a taskId, with contextId"
+        f" {done['contextId']!r}, to start the conversation's next task"
+    )
 
 
 @BOTH
@@ -739,7 +742,10 @@ async def test_the_extended_card_is_unsupported(keel: Served, method: str, versi
     error = await keel.error(method, {}, version=version)
     check_error(error, -32004, version, "UNSUPPORTED_OPERATION")
     field = "capabilities.extendedAgentCard" if version == V1 else "supportsAuthenticatedExtendedCard"  # the card's own
-    assert f"its card leaves {field} out: false" in error["message"]
+    assert error["message"] == (
+        f"this agent has no extended agent card (its agent card does not set {field});"
+        " the public card at /.well-known/agent-card.json is all there is"
+    )
 
 
 # -- versions ---------------------------------------------------------------------------------
