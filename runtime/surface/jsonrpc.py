@@ -3,9 +3,9 @@
 Every JSON-RPC answer, error or not, travels with HTTP 200, as the reference server's do
 (wire/err_*.resp.txt); the ``A2A-Version`` header (or query parameter) picks the version, and
 ``protocol.route`` applies the rule (absent means 0.3; a 1.0 method without it is -32009).
-Two failures happen before JSON-RPC is reached and get an HTTP status of their own, still with
-a JSON-RPC error body: a body over the size limit (413) and a body declared as something other
-than JSON (415).
+A body refused before JSON-RPC is reached (over the size limit, declared as something other
+than JSON, or compressed) is answered the same way, -32600 with HTTP 200, not 413 or 415: A2A
+clients read the error from the body, and some take any other status for a transport failure.
 
 Protocol errors become error objects in the request's version. A store that fails (a full
 disk, say) is an outage: logged in one line, and answered -32603 saying so. Anything else is a
@@ -68,11 +68,11 @@ def json_response(body: object, status: int = 200) -> Response:
     return Response(encode_json(body), status=status, content_type=JSON_TYPE)
 
 
-def _refusal(body: object, status: int) -> Response:
+def _refusal(body: object) -> Response:
     """An answer given before the body was read (or all of it): the connection closes after it,
     so that the rest of the body cannot be taken for the next request, and the client does not
     reuse a connection the server has stopped reading."""
-    response = json_response(body, status)
+    response = json_response(body)
     response.headers["Connection"] = "close"
     return response
 
@@ -99,16 +99,16 @@ class JsonRpcEndpoint:
         header = request.headers.get(VERSION_HEADER) or request.args.get(VERSION_HEADER)
         if not _is_json(request.content_type):
             error = InvalidRequest(f"the body must be sent as {JSON_TYPE}, not {request.content_type!r}")
-            return _refusal(error_response(None, error, response_version(None, header)), status=415)
+            return _refusal(error_response(None, error, response_version(None, header)))
         encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding != "identity":  # RFC 9110 §15.5.16: an unsupported content coding is 415
+        if encoding != "identity":
             error = InvalidRequest(f"a body in Content-Encoding {encoding!r} cannot be read here; send it uncompressed")
-            return _refusal(error_response(None, error, response_version(None, header)), status=415)
+            return _refusal(error_response(None, error, response_version(None, header)))
         try:
             body = await request.get_data(cache=False)
         except RequestEntityTooLarge:
             error = InvalidRequest(f"the body is larger than the limit of {self.max_body_bytes} bytes")
-            return _refusal(error_response(None, error, response_version(None, header)), status=413)
+            return _refusal(error_response(None, error, response_version(None, header)))
         try:
             call = parse_request(body)
         except RequestRejected as rejected:
