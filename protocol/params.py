@@ -138,6 +138,9 @@ class TaskIdParams:
         return compact([("id", self.id), ("metadata", self.metadata)])
 
 
+UNRECOGNIZED = "UNRECOGNIZED"  # protobuf-es's name for the enum value -1: one it could not name
+
+
 @attrs.frozen(kw_only=True)
 class ListTasksParams:
     """ListTasks (1.0 only). ``page_size`` None means DEFAULT_PAGE_SIZE."""
@@ -153,10 +156,14 @@ class ListTasksParams:
     @classmethod
     def from_json(cls, params: object, version: ProtocolVersion) -> ListTasksParams:
         reader = JsonReader.of(params, "")
-        status = None if not reader.has("status") else TaskState.from_wire(reader.value("status"), version, field="status")
+        status = None
+        if reader.has("status") and reader.value("status") != UNRECOGNIZED:
+            status = TaskState.from_wire(reader.value("status"), version, field="status")
         return cls(
             context_id=reader.opt_string("contextId"),
-            # Unspecified (the proto's zero, which has no presence) is no filter, as in the reference.
+            # Unspecified (the proto's zero, which has no presence) is no filter, as in the
+            # reference; so is UNRECOGNIZED, what protobuf-es clients (@a2a-js/sdk) send for a
+            # filter left unset.
             status=None if status is TaskState.UNSPECIFIED else status,
             page_size=reader.opt_int("pageSize", minimum=1, maximum=MAX_PAGE_SIZE),
             page_token=reader.opt_string("pageToken"),

@@ -143,9 +143,11 @@ def test_list_tasks_params_decode_every_filter() -> None:
 def test_list_tasks_status_may_be_an_enum_number_and_unspecified_is_no_filter() -> None:
     assert ListTasksParams.from_json({"status": 4}, V1).status is TaskState.FAILED  # a2a.proto's number
     assert ListTasksParams.from_json({"status": 8}, V1).status is TaskState.AUTH_REQUIRED
-    for unspecified in ("TASK_STATE_UNSPECIFIED", 0):
+    # "UNRECOGNIZED": what @a2a-js/sdk's listTasks() sends when no status is asked for.
+    for unspecified in ("TASK_STATE_UNSPECIFIED", 0, "UNRECOGNIZED"):
         assert ListTasksParams.from_json({"status": unspecified}, V1).status is None
     assert "'status' must be one of" in complaint(ListTasksParams, {"status": 9})
+    assert "'status' must be one of" in complaint(ListTasksParams, {"status": "WORKING"})  # a typo is still said
     assert "'status' must be one of" in complaint(ListTasksParams, {"status": True})
 
 

@@ -599,6 +599,7 @@ async def test_list_tasks_pages_through_a_context(keel: Served) -> None:
     stamps = [task["status"]["timestamp"] for task in page["tasks"] + last["tasks"]]
     assert stamps == sorted(stamps, reverse=True)  # newest first
     assert (await keel.result("ListTasks", {}))["totalSize"] == 4
+    assert (await keel.result("ListTasks", {"status": "UNRECOGNIZED"}))["totalSize"] == 4  # @a2a-js/sdk's "no filter"
 
 
 async def test_list_tasks_after_a_status_timestamp_gives_exactly_the_tasks_whose_status_is_later(keel: Served) -> None:
