@@ -403,10 +403,7 @@ class Runner:
         """``task`` with what the streams have of its answer so far, for a client that polls,
         while a run of this process works on it and has stored no answer yet."""
         live = self._live.get(task.id)
-        if live is None or task.artifacts or task.status.state.is_terminal:
-            return task
-        streamed = live.streamed_answer()
-        return task if streamed is None else attrs.evolve(task, artifacts=(streamed,))
+        return task if live is None else live.as_seen(task)
 
     async def list_tasks(self, owner: str, params: ListTasksParams) -> ListTasksResult:
         after = params.status_timestamp_after

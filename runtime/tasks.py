@@ -249,22 +249,29 @@ class LiveTask:
         after the task settles, or, cut short, with a StreamCut saying why."""
         # One slot more than a subscriber may fall behind: room for the StreamCut that drops it.
         send, receive = trio.open_memory_channel[StreamItem](SUBSCRIBER_BUFFER + 1)
-        send.send_nowait(self.task)
+        send.send_nowait(self.as_seen())  # joining mid-answer: the text so far in it, then the pieces to come
         if self.settled.is_set():
             if not self.end_stored:
                 send.send_nowait(StreamCut(self.task.id, END_NOT_STORED))
             send.close()
             return receive
-        if self._answer.tell() or self._answered:  # joining mid-answer: what was streamed before, then the pieces to come
-            send.send_nowait(self._answer_update(self._answer.getvalue(), append=False, last=self._answered))
         self._subscribers[receive] = send
         return receive
+
+    def as_seen(self, task: Task | None = None) -> Task:
+        """``task`` (by default the task as last stored) with the answer its streams have sent so
+        far, while it has none stored: the task as it stands for a client that polls or joins now."""
+        task = self.task if task is None else task
+        if task.artifacts or task.status.state.is_terminal:
+            return task
+        streamed = self.streamed_answer()
+        return task if streamed is None else attrs.evolve(task, artifacts=(streamed,))
 
     def stream_answer(self, text: str) -> None:
         """Send the subscribers the next piece of the answer as the model writes it. Each piece
         is appended to the answer artifact, but the first of a model request after
         ``next_request()`` replaces it; a subscriber that comes later gets all the text so far in
-        one event (replacing the artifact), right after the task."""
+        the task it starts with (``as_seen``)."""
         if self._answer_frozen:
             return
         first = not self._answer.tell() or self._replace_answer
