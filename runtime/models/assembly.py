@@ -56,6 +56,11 @@ class StreamAssembler:
         return []
 
     @property
+    def finished(self) -> bool:
+        """Whether the model has said it finished (a finish reason), [DONE] or not."""
+        return bool(self._finish_reason)
+
+    @property
     def started(self) -> bool:
         """Whether any of the answer has arrived: text, a tool call or the finish (the opening
         chunk that only names the assistant's role is none of it, nor is a comment)."""
@@ -69,7 +74,14 @@ class StreamAssembler:
             if not self._finish_reason:
                 raise ModelBadResponse(self.model, "the stream ended before the model finished its answer")
             self.done = True
+            deltas.extend(self._final_usage())
         return deltas
+
+    def _final_usage(self) -> list[Delta]:
+        """The answer's usage, once, as it stands at the end: a server may send it on every chunk,
+        each time the whole so far (vLLM's continuous usage stats), so summing those would count
+        the same tokens many times."""
+        return [] if self._usage is None else [self._usage]
 
     def completion(self) -> Completion:
         if not self.done:
@@ -104,9 +116,12 @@ class StreamAssembler:
             return []
         data = "\n".join(self._data)
         self._data.clear()
+        if not data.strip():  # an event with no data is not dispatched (a proxy's heartbeat, say)
+            return []
         if data.strip() == "[DONE]":
             self.done = True
-            return [] if self._finish_reason else self._finish(inferred_finish_reason(self._tool_calls()))
+            finish = [] if self._finish_reason else self._finish(inferred_finish_reason(self._tool_calls()))
+            return [*finish, *self._final_usage()]
         try:
             chunk = json.loads(data)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested past what Python reads
@@ -128,9 +143,8 @@ class StreamAssembler:
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 deltas.extend(self._on_choice(choice))
         usage = parse_usage(chunk.get("usage"), model=self.model)
-        if usage is not None:
+        if usage is not None:  # handed out at the end (_final_usage)
             self._usage = usage
-            deltas.append(usage)
         return deltas
 
     def _on_choice(self, choice: dict[str, Any]) -> list[Delta]:

@@ -176,6 +176,9 @@ async def open_model_client(config: ModelConfig) -> AsyncIterator[ModelClient]:
         yield ModelClient(config, http)
 
 
+AFTER_DONE_S = 1.0  # how long the body may stay open after [DONE] before it is let go
+
+
 class _Body(httpx.AsyncByteStream):
     """A request's body, whose iterators are not async generators.
 
@@ -551,8 +554,10 @@ class ChatStream:
                 if self._assembler.done:
                     # Read on to the end of the body (nothing follows [DONE]), so the reader ends
                     # on its own rather than being unwound by __aexit__: much cheaper, every call.
-                    while not self._body_ended and await self._read_line() is not None:
-                        pass
+                    # Briefly: a server that holds the body open after [DONE] is not waited for.
+                    with trio.move_on_after(AFTER_DONE_S):
+                        while not self._body_ended and await self._read_line() is not None:
+                            pass
                     raise StopAsyncIteration
                 line = await self._read_line()
                 try:
@@ -597,6 +602,8 @@ class ChatStream:
         except StopAsyncIteration:
             return None
         except httpx.RequestError as exc:
+            if self._assembler.finished:  # the answer is whole; only the end of the body was lost
+                return None
             raise self._client._broken_answer(exc, started=self._assembler.started) from exc
         finally:
             self._body_ended = ended

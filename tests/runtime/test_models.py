@@ -41,6 +41,7 @@ from runtime.models import (
     request_body,
 )
 from runtime.models.assembly import StreamAssembler
+from runtime.models.client import AFTER_DONE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 10.0  # generous: every wait in these tests is on loopback
@@ -868,3 +869,72 @@ async def test_a_server_that_wants_a_key_none_was_given_says_so(fake_model: Fake
 )
 def test_what_a_server_says_is_scrubbed_of_the_url_credentials_in_each_form(url: str, said: str, kept: str) -> None:
     assert ModelConfig(base_url=url).scrub(said) == kept
+
+
+def sse_bytes(*events: object) -> bytes:
+    """``events`` as one chunk of a chunked body, in server-sent events framing."""
+    text = "".join(f"{line}\n" for line in sse(*events)).encode()
+    return b"%x\r\n%s\r\n" % (len(text), text)
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+STOPPED = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+
+
+async def serve_then_close(nursery: trio.Nursery, answer: bytes) -> str:
+    """A model server that sends ``answer`` to any request, then closes the connection."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        await stream.send_all(answer)
+        await stream.aclose()
+
+    listeners = await nursery.start(trio.serve_tcp, handle, 0)
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1"
+
+
+async def test_an_answer_the_model_finished_is_kept_when_the_connection_breaks_before_the_body_ends(
+    nursery: trio.Nursery,
+) -> None:
+    # A proxy that closes the connection once the model has said it finished, before [DONE] and
+    # before the body's last chunk: the answer is whole; only the end of the body was lost.
+    finished = await serve_then_close(nursery, STREAM_HEAD + sse_bytes(delta(content="The lease expired."), STOPPED))
+    unfinished = await serve_then_close(nursery, STREAM_HEAD + sse_bytes(delta(content="The lease")))
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=finished, max_retries=0)) as client:
+            _, completion = await read_stream(client)
+        assert (completion.message.text, completion.finish_reason) == ("The lease expired.", "stop")
+        async with open_model_client(ModelConfig(base_url=unfinished, max_retries=0)) as client:
+            with pytest.raises(ModelUnavailable, match="broke"):  # before the finish, the same break is a broken answer
+                await read_stream(client)
+
+
+async def test_a_body_held_open_after_done_does_not_hold_up_the_answer(nursery: trio.Nursery) -> None:
+    url = await serve_raw(nursery, STREAM_HEAD + sse_bytes(delta(content="Standing by."), STOPPED, "[DONE]"))
+    with trio.fail_after(AFTER_DONE_S + 5):  # far less than the read timeout it once waited out
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0, read_timeout_s=60)) as client:
+            _, completion = await read_stream(client)
+    assert completion.message.text == "Standing by."
+
+
+def test_an_event_with_empty_data_is_not_dispatched() -> None:
+    assembler = StreamAssembler("m")  # a proxy's heartbeat: an event whose data is empty
+    for line in ["data: ", "", "data:", "", *sse(delta(content="ok"), STOPPED, "[DONE]")]:
+        assembler.feed_line(line)
+    assert assembler.completion().message.text == "ok"
+
+
+def test_usage_sent_with_every_chunk_is_counted_once_as_it_stands_at_the_end() -> None:
+    # vLLM's continuous usage stats: each chunk carries the usage so far.
+    events = [
+        {**delta(content="The "), "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}},
+        {**delta(content="lease."), "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}},
+        {**STOPPED, "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}},
+        "[DONE]",
+    ]
+    assembler = StreamAssembler("m")
+    deltas = [d for line in sse(*events) for d in assembler.feed_line(line)]
+    assert [d for d in deltas if isinstance(d, Usage)] == [Usage(10, 3, 13)]
+    assert assembler.completion().usage == Usage(10, 3, 13)
