@@ -148,13 +148,19 @@ class TaskEventStream(ResponseBody):
 
 def _updates_since(sent: Task, now: Task) -> list[StreamEvent]:
     """The updates that turn ``sent`` into ``now``: what happened to the task between the
-    moment a streaming send created it and the moment its subscription opened."""
-    updates: list[StreamEvent] = [
-        TaskArtifactUpdateEvent(task_id=now.id, context_id=now.context_id, artifact=artifact, last_chunk=True)
+    moment a streaming send created it and the moment its subscription opened.
+
+    In the order they happened: a new status first (WORKING comes before any of the answer),
+    unless it ends the task, which comes last. An artifact is whole (``lastChunk``) only in an
+    ended task; mid-answer it is the text so far, and the pieces that follow append to it."""
+    ended = now.status.state.ends_stream
+    artifacts: list[StreamEvent] = [
+        TaskArtifactUpdateEvent(task_id=now.id, context_id=now.context_id, artifact=artifact, last_chunk=ended)
         for artifact in now.artifacts
         if artifact not in sent.artifacts
     ]
-    if now.status != sent.status:
-        updates.append(TaskStatusUpdateEvent(task_id=now.id, context_id=now.context_id, status=now.status))
-    return updates
+    if now.status == sent.status:
+        return artifacts
+    status = TaskStatusUpdateEvent(task_id=now.id, context_id=now.context_id, status=now.status)
+    return [*artifacts, status] if ended else [status, *artifacts]
 

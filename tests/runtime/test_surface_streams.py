@@ -275,6 +275,21 @@ async def test_a_streaming_send_catches_up_with_what_happened_before_it_subscrib
     assert state(frames[2]) == "TASK_STATE_COMPLETED"  # and nothing after the end
 
 
+async def test_a_streaming_send_that_catches_up_mid_answer_sends_working_then_the_text_so_far_not_as_whole() -> None:
+    so_far = Artifact(artifact_id="answer", parts=[TextPart("The lease ")])
+    snapshot = task_in(TaskState.WORKING, so_far)  # the task as it stands: the answer streaming
+    rest = TaskArtifactUpdateEvent(
+        task_id="t-1", context_id="c-1", artifact=Artifact(artifact_id="answer", parts=[TextPart("expired.")]), append=True
+    )
+    done = TaskStatusUpdateEvent(task_id="t-1", context_id="c-1", status=task_in(TaskState.COMPLETED).status)
+    frames = results(await frames_of(ScriptedSubscriptions([snapshot, rest, done]), first=task_in(TaskState.SUBMITTED)))
+    assert [kind(f) for f in frames] == ["task", "statusUpdate", "artifactUpdate", "artifactUpdate", "statusUpdate"]
+    assert state(frames[1]) == "TASK_STATE_WORKING"
+    caught_up = frames[2]["artifactUpdate"]
+    assert caught_up["artifact"]["parts"] == [{"text": "The lease "}] and not caught_up.get("lastChunk")
+    assert frames[3]["artifactUpdate"]["append"] is True
+
+
 async def test_a_streaming_send_does_not_repeat_an_unchanged_task() -> None:
     submitted = task_in(TaskState.SUBMITTED)
     working = TaskStatusUpdateEvent(task_id="t-1", context_id="c-1", status=task_in(TaskState.WORKING).status)
