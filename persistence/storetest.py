@@ -391,6 +391,7 @@ async def bad_content_is_refused_with_its_index_and_nothing_is_written(backend: 
         for contents, index, words in (
             (['{"fine":true}', "not json"], 1, "not JSON"),
             (['{"fine":true}', '"' + "x" * (store.max_event_bytes + 1) + '"'], 1, "bytes"),
+            (['{"fine":true}', "[" * 100_000 + "]" * 100_000], 1, "nested deeper than can be read"),
         ):
             try:
                 await store.append("conv-9", contents, at=1)

@@ -104,7 +104,10 @@ class Message:
     @classmethod
     def from_json(cls, text: str) -> Message:
         """Raises ValueError (json.JSONDecodeError, KeyError wrapped) when text is not a message."""
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("not a message: JSON nested deeper than can be read") from None
         if not isinstance(data, dict) or "role" not in data:
             raise ValueError("not a message: an object with a 'role' was expected")
         try:

@@ -31,11 +31,11 @@ def is_json(text: str) -> bool:
         _, end = _scan_once(text, 0)
         if end == len(text):
             return True
-    except (StopIteration, ValueError):
+    except (StopIteration, ValueError, RecursionError):
         pass
     try:
         _STRICT.decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python reads
         return False
     return True
 
@@ -84,6 +84,8 @@ def check_contents(session_id: str, contents: Sequence[str], *, first_index: int
                 _STRICT.decode(content)
             except ValueError as exc:
                 raise InvalidEvent(session_id, index, f"content is not JSON ({exc})") from None
+            except RecursionError:
+                raise InvalidEvent(session_id, index, "content is JSON nested deeper than can be read") from None
 
 
 def checked_append(session_id: str, contents: Sequence[str], *, max_bytes: int, author: str) -> list[str]:

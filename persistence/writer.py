@@ -158,7 +158,7 @@ class GroupCommitWriter:
                 failure = DatabaseFailed(self.pool.path, exc)
                 failure.__cause__ = exc
                 batch.failed(failure)
-            except Exception as exc:
+            except BaseException as exc:  # even SystemExit from a write: its batch fails, the writer goes on
                 batch.failed(exc)
         with self._lock:
             self._flushing = bool(self._queue)

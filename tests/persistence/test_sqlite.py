@@ -200,6 +200,29 @@ async def test_group_commit_writes_queued_before_close_are_committed(tmp_path: P
         assert conn.execute("SELECT count(*) FROM app_states").fetchone()[0] == 20
 
 
+async def test_a_write_that_raises_systemexit_fails_alone_and_the_writer_goes_on(tmp_path: Path) -> None:
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    writer = GroupCommitWriter(pool)
+
+    def exits(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO app_states VALUES ('lost', '{}', 0)")
+        raise SystemExit(3)
+
+    def writes(conn: sqlite3.Connection) -> int:
+        return conn.execute("INSERT INTO app_states VALUES ('kept', '{}', 0)").rowcount
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.run)
+        with trio.fail_after(10):
+            with pytest.raises(SystemExit):
+                await writer.submit(exits)
+            assert await writer.submit(writes) == 1  # not stalled behind the batch that failed
+        await writer.aclose()
+    await pool.aclose()
+    with closing(sqlite3.connect(tmp_path / "runtime.db")) as conn:
+        assert [row[0] for row in conn.execute("SELECT app_name FROM app_states")] == ["kept"]
+
+
 async def test_an_urgent_write_is_committed_next_ahead_of_the_writes_queued_before_it(tmp_path: Path) -> None:
     pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
     writer = GroupCommitWriter(pool)

@@ -38,3 +38,8 @@ def test_a_message_that_cannot_fit_even_without_text_is_refused_saying_so() -> N
     calls = (ToolCall(id="c", name="lookup", arguments="{" + " " * 500 + "}"),)
     with pytest.raises(ValueError, match=r"this assistant message \(5.. bytes\) cannot be cut to fit 100"):
         Message(role="assistant", text="hi", tool_calls=calls).cut_to_fit(100)
+
+
+def test_a_message_nested_deeper_than_python_reads_is_not_a_message_rather_than_a_crash() -> None:
+    with pytest.raises(ValueError, match="nested deeper than can be read"):
+        Message.from_json('{"role":"user","text":' + "[" * 100_000 + "]" * 100_000 + "}")
