@@ -26,14 +26,17 @@ from persistence.errors import (
 )
 from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
-from persistence.tasks import UNFINISHED_STATES, check_page_size, decode_page_token, encode_page_token
+from persistence.tasks import UNFINISHED_STATES, check_listing_time, check_page_size, decode_page_token, encode_page_token
 from persistence.transcript import Message
 from persistence.validate import (
     MAX_EVENT_BYTES,
+    MAX_INTEGER,
+    check_integer,
     check_name,
     check_session_id,
     check_steer_params,
     check_task,
+    check_task_write,
     checked_append,
     decode_messages,
     plan_save,
@@ -121,6 +124,7 @@ class MemorySessionStore(_Closable):
         self._extend(session_id, contents, "agent")
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
+        check_integer(after, f"the seq after which events of session {session_id!r} are read", minimum=-MAX_INTEGER - 1)
         await self._enter()
         return list(self.data.events.get(session_id, ())[max(after + 1, 0) :])
 
@@ -236,6 +240,7 @@ class MemoryTaskStore(_Closable):
         updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
+        check_task_write(task_id, updated_at_ms=updated_at_ms)
         await self._enter()
         if message_id is not None and (owner, message_id) in self.started_by_message:
             raise MessageTaken(message_id, self.started_by_message[owner, message_id])
@@ -274,6 +279,7 @@ class MemoryTaskStore(_Closable):
         updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, owner=owner, state=state, task_json=task_json)
+        check_task_write(task_id, expected_version=expected_version, updated_at_ms=updated_at_ms)
         current = await self.get(owner, task_id)
         if expected_version is not None and expected_version != current.version:
             raise VersionConflict(task_id, expected_version, current.version)
@@ -293,6 +299,7 @@ class MemoryTaskStore(_Closable):
         page_token: str = "",
     ) -> TaskPage:
         check_page_size(page_size)
+        check_listing_time(updated_after_ms)
         after = decode_page_token(page_token) if page_token else None
         await self._enter()
         matching = sorted(

@@ -20,6 +20,8 @@ from persistence.writer import WriterBacked, running
 from persistence.transcript import Message
 from persistence.validate import (
     MAX_EVENT_BYTES,
+    MAX_INTEGER,
+    check_integer,
     check_name,
     check_session_id,
     check_steer_params,
@@ -350,6 +352,7 @@ class SqliteSessionStore(WriterBacked):
             await self._writer.submit(_save_txn, self._lengths, session_id, messages, self.max_event_bytes)
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
+        check_integer(after, f"the seq after which events of session {session_id!r} are read", minimum=-MAX_INTEGER - 1)
         rows = await self.pool.run(
             lambda conn: []
             if lone_surrogate(session_id)

@@ -770,6 +770,35 @@ async def a_task_keeps_the_update_time_it_is_given_and_is_listed_by_it(backend: 
 
 
 @task_check
+async def a_version_or_time_no_backend_keeps_as_given_is_refused_alike(backend: Backend) -> None:
+    async with backend.tasks() as store, backend.sessions() as sessions:
+        await make_task(store, "t1")
+        def updating(**changes: Any) -> Callable[[], Awaitable[object]]:
+            fields = {"state": WORKING, "task_json": "{}", "expected_version": 1, **changes}
+            return lambda: store.update("alice", "t1", **fields)
+
+        calls: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("expected version", updating(expected_version="1")),
+            ("expected version", updating(expected_version=True)),
+            ("update time", updating(updated_at_ms=2**63)),
+            ("update time", updating(updated_at_ms=5.5)),
+            ("update time", lambda: store.create("alice", task_id="t2", context_id="c", state=SUBMITTED, task_json="{}", updated_at_ms=-1)),
+            ("listed after", lambda: store.list("alice", updated_after_ms=2**63)),
+            ("read", lambda: sessions.events("s", after=-0.5)),
+        ]
+        for words, call in calls:
+            try:
+                await call()
+            except ValueError as exc:
+                assert words in str(exc), str(exc)
+            else:
+                raise AssertionError(f"a bad {words} was taken")
+        record = await store.get("alice", "t1")
+        assert (record.state, record.version) == (SUBMITTED, 1)  # nothing written
+        assert [r.id for r in (await store.list("alice")).records] == ["t1"]
+
+
+@task_check
 async def unfinished_tasks_are_found_across_owners(backend: Backend) -> None:
     async with backend.tasks() as store:
         await make_task(store, "a", owner="alice")

@@ -16,7 +16,7 @@ from persistence.api import TaskPage, TaskRecord
 from persistence.errors import InvalidPage, MessageTaken, TaskExists, TaskNotFound, VersionConflict
 from persistence.sessions import now_ms
 from persistence.sqlite import Schema, SqlitePool, execute_ddl
-from persistence.validate import check_task, lone_surrogate
+from persistence.validate import MAX_INTEGER, check_integer, check_task, check_task_write, lone_surrogate
 from persistence.writer import WriterBacked, running
 
 MAX_PAGE_SIZE = 100
@@ -73,6 +73,11 @@ def record_from_row(row: tuple[Any, ...]) -> TaskRecord:
 def check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
         raise InvalidPage(f"page size must be between 1 and {MAX_PAGE_SIZE} inclusive, got {page_size!r}")
+
+
+def check_listing_time(updated_after_ms: int | None) -> None:
+    if updated_after_ms is not None:
+        check_integer(updated_after_ms, "the time (ms) tasks are listed after", minimum=-MAX_INTEGER - 1)
 
 
 def encode_page_token(record: TaskRecord) -> str:
@@ -183,6 +188,7 @@ class SqliteTaskStore(WriterBacked):
         updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
+        check_task_write(task_id, updated_at_ms=updated_at_ms)
         now = now_ms()
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
@@ -222,6 +228,7 @@ class SqliteTaskStore(WriterBacked):
         updated_at_ms: int | None = None,
     ) -> TaskRecord:
         check_task(task_id, owner=owner, state=state, task_json=task_json)
+        check_task_write(task_id, expected_version=expected_version, updated_at_ms=updated_at_ms)
         return await self._writer.submit(
             _update_txn, owner, task_id, state, task_json, expected_version, updated_at_ms, urgent=urgent
         )
@@ -237,6 +244,7 @@ class SqliteTaskStore(WriterBacked):
         page_token: str = "",
     ) -> TaskPage:
         check_page_size(page_size)
+        check_listing_time(updated_after_ms)
         after = decode_page_token(page_token) if page_token else None
         if any(lone_surrogate(text) for text in (owner, context_id or "", state or "")):
             return TaskPage(records=(), next_page_token="", total_size=0)  # no such text is ever stored

@@ -145,6 +145,23 @@ def check_task(task_id: str, **columns: str) -> None:
 
 _TASK_COLUMNS = {"context_id": "context id", "task_json": "JSON", "message_id": "first message's id"}
 
+MAX_INTEGER = 2**63 - 1  # the largest integer SQLite keeps
+
+
+def check_task_write(task_id: str, *, expected_version: int | None = None, updated_at_ms: int | None = None) -> None:
+    """Raise ValueError for a version or a time no backend would keep as given."""
+    if expected_version is not None:
+        check_integer(expected_version, f"the expected version of task {task_id!r}", minimum=1)
+    if updated_at_ms is not None:
+        check_integer(updated_at_ms, f"the update time (ms) of task {task_id!r}", minimum=0)
+
+
+def check_integer(value: object, what: str, *, minimum: int) -> None:
+    """Raise ValueError unless ``value`` (None for "not given" is the caller's to let through) is
+    an int from ``minimum`` to what SQLite can keep: every backend then takes the same values."""
+    if type(value) is not int or not minimum <= value <= MAX_INTEGER:
+        raise ValueError(f"{what} must be an integer from {minimum} to {MAX_INTEGER}, not {value!r}")
+
 
 def plan_save(
     session_id: str,
