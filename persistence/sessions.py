@@ -91,8 +91,20 @@ def _v2(conn: sqlite3.Connection) -> None:
 
 
 def _v3(conn: sqlite3.Connection) -> None:
-    # The task each steer was left for, if any: only that task's run takes it.
-    execute_ddl(conn, "ALTER TABLE steers ADD COLUMN task_id TEXT;")
+    # The task each steer was left for, if any: only that task's run takes it. A steer pending
+    # from before is matched to its receipt, written with it (same session, same millisecond),
+    # where exactly one task's receipt matches.
+    execute_ddl(
+        conn,
+        """
+        ALTER TABLE steers ADD COLUMN task_id TEXT;
+        UPDATE steers SET task_id = (
+            SELECT min(r.task_id) FROM steer_receipts AS r
+            WHERE r.session_id = steers.session_id AND r.created_at_ms = steers.created_at_ms AND r.task_id IS NOT NULL
+            HAVING count(DISTINCT r.task_id) = 1
+        );
+        """,
+    )
 
 
 SESSIONS_SCHEMA = Schema(

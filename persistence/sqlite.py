@@ -40,12 +40,19 @@ def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_
 
 
 def create_private(path: Path) -> None:
-    """Create ``path`` empty, readable and writable by its owner alone, unless it exists: the
-    database SQLite then opens there, and the ``-wal`` and ``-shm`` files it makes beside it (with
-    the database's permissions), hold conversations. Blocking."""
+    """Make ``path`` readable and writable by its owner alone, creating it empty if it does not
+    exist: the database SQLite then opens there, and the ``-wal`` and ``-shm`` files it makes
+    beside it (with the database's permissions), hold conversations. A database (and its side
+    files) made before Keel did this is narrowed to the same mode. Blocking."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
+        for existing in (path, *(path.with_name(path.name + suffix) for suffix in ("-wal", "-shm"))):
+            try:
+                if os.stat(existing).st_mode & 0o077:
+                    os.chmod(existing, 0o600)
+            except (FileNotFoundError, PermissionError):  # none there; or another user's, left to them
+                pass
         return
     os.close(fd)
 

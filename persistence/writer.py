@@ -231,7 +231,7 @@ def _transaction(conn: sqlite3.Connection, batch: list[_Item], hooks: BatchHooks
                 continue
             try:
                 item.result = item.fn(conn, *item.args)
-            except Exception as exc:
+            except BaseException as exc:  # SystemExit too: run again carefully, it fails its own write alone
                 raise _ItemFailed from exc
         if hooks is not None:
             try:
@@ -255,7 +255,7 @@ def _run_with_savepoint(conn: sqlite3.Connection, item: _Item) -> bool:
     conn.execute("SAVEPOINT item")
     try:
         item.result = item.fn(conn, *item.args)
-    except Exception as exc:
+    except BaseException as exc:  # the pool's thread: no Cancelled here, and no KeyboardInterrupt
         conn.execute("ROLLBACK TO item")
         item.error = exc
     conn.execute("RELEASE item")

@@ -44,10 +44,13 @@ from tests.persistence.state_helpers import (
 
 def test_restore_publishes_exactly_the_snapshot_and_drops_old_files_and_sidecars(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
-    old_generation(state_dir)
-    snapshot = new_snapshot(tmp_path)
-
-    result = restore_snapshot(snapshot, state_dir)
+    umask = os.umask(0o022)  # a usual umask: what it lets through, the databases' copies must not
+    try:
+        old_generation(state_dir)
+        snapshot = new_snapshot(tmp_path)
+        result = restore_snapshot(snapshot, state_dir)
+    finally:
+        os.umask(umask)
 
     assert fingerprint(state_dir) == snapshot_databases(snapshot)  # no obsolete.db, no old -wal/-shm/-journal
     assert result.restored == ("memory.db", "runtime.db", "tasks.db")

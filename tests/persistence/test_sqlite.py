@@ -11,9 +11,11 @@ import sys
 import threading
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from persistence.errors import DatabaseBusy, SchemaError, TranscriptConflict
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
@@ -47,6 +49,13 @@ async def test_a_database_and_the_files_sqlite_makes_beside_it_are_their_owners_
             await store.save("s", [Message(role="user", text="what the conversation said")])
             for name in ("runtime.db", "runtime.db-wal", "runtime.db-shm"):
                 assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600, name
+            # As a build that did not keep them private left them: each is narrowed when opened.
+            for name in ("runtime.db", "runtime.db-wal"):
+                os.chmod(tmp_path / name, 0o644)
+            async with open_session_store(tmp_path / "runtime.db") as again:
+                assert await again.length("s") == 1
+                for name in ("runtime.db", "runtime.db-wal", "runtime.db-shm"):
+                    assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600, name
     finally:
         os.umask(old)
 
@@ -203,24 +212,45 @@ async def test_group_commit_writes_queued_before_close_are_committed(tmp_path: P
 async def test_a_write_that_raises_systemexit_fails_alone_and_the_writer_goes_on(tmp_path: Path) -> None:
     pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
     writer = GroupCommitWriter(pool)
+    committing, release = threading.Event(), threading.Event()
+
+    def holds(conn: sqlite3.Connection) -> None:  # keeps the pool's thread busy while the next batch fills
+        committing.set()
+        release.wait(10)
 
     def exits(conn: sqlite3.Connection) -> None:
         conn.execute("INSERT INTO app_states VALUES ('lost', '{}', 0)")
         raise SystemExit(3)
 
-    def writes(conn: sqlite3.Connection) -> int:
-        return conn.execute("INSERT INTO app_states VALUES ('kept', '{}', 0)").rowcount
+    def writes(conn: sqlite3.Connection, name: str) -> int:
+        return conn.execute("INSERT INTO app_states VALUES (?, '{}', 0)", (name,)).rowcount
+
+    results: dict[str, object] = {}
+
+    async def submit(name: str, fn: Any, *args: Any) -> None:
+        try:
+            results[name] = await writer.submit(fn, *args)
+        except BaseException as exc:  # SystemExit is what one of them should get
+            results[name] = type(exc).__name__
 
     async with trio.open_nursery() as nursery:
         await nursery.start(writer.run)
         with trio.fail_after(10):
-            with pytest.raises(SystemExit):
-                await writer.submit(exits)
-            assert await writer.submit(writes) == 1  # not stalled behind the batch that failed
+            nursery.start_soon(writer.submit, holds)
+            await trio.to_thread.run_sync(committing.wait)
+            nursery.start_soon(submit, "before", writes, "before")
+            nursery.start_soon(submit, "exits", exits)
+            nursery.start_soon(submit, "after", writes, "after")
+            await trio.testing.wait_all_tasks_blocked()  # all three queued, in one batch
+            release.set()
+            while len(results) < 3:
+                await trio.sleep(0.01)
+            assert results == {"before": 1, "exits": "SystemExit", "after": 1}  # the others' writes are kept
+            assert await writer.submit(writes, "later") == 1  # and the writer goes on
         await writer.aclose()
     await pool.aclose()
     with closing(sqlite3.connect(tmp_path / "runtime.db")) as conn:
-        assert [row[0] for row in conn.execute("SELECT app_name FROM app_states")] == ["kept"]
+        assert sorted(row[0] for row in conn.execute("SELECT app_name FROM app_states")) == ["after", "before", "later"]
 
 
 async def test_an_urgent_write_is_committed_next_ahead_of_the_writes_queued_before_it(tmp_path: Path) -> None:
@@ -470,6 +500,26 @@ async def test_a_tasks_database_of_the_first_schema_is_brought_to_the_current_on
     with closing(sqlite3.connect(path)) as conn:
         assert read_identity(conn) == SchemaIdentity("keel.tasks", TASKS_SCHEMA.version)
         assert conn.execute("SELECT id, message_id FROM tasks ORDER BY id").fetchall() == [("new", "m1"), ("old", None)]
+
+
+async def test_steers_pending_in_a_second_schema_database_keep_the_task_they_were_sent_to(tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    with closing(connect(path)) as conn:
+        for migration in SESSIONS_SCHEMA.migrations[:2]:
+            transaction(conn, migration)
+        transaction(conn, write_identity_txn, SchemaIdentity(SESSIONS_SCHEMA.name, 2))
+        for text, message_id, task_id, at in (
+            ("for t1", "m1", "t1", 5), ("for no task", "m2", None, 6), ("left by hand", None, None, 7),
+        ):  # fmt: skip
+            conn.execute("INSERT INTO steers (session_id, text, created_at_ms) VALUES ('conv', ?, ?)", (text, at))
+            if message_id is not None:
+                conn.execute(
+                    "INSERT INTO steer_receipts (session_id, message_id, task_id, sent_sha256, created_at_ms)"
+                    " VALUES ('conv', ?, ?, 'x', ?)",
+                    (message_id, task_id, at),
+                )
+    async with open_session_store(path) as store:
+        assert await store.take_steers("conv", for_task="t2") == ["for no task", "left by hand"]  # t1's stays t1's
 
 
 async def test_a_sessions_database_of_the_first_schema_keeps_its_steers_and_learns_their_message_ids(
