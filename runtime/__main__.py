@@ -25,10 +25,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser (its ``parser`` default), with its usage
-        command: argparse.ArgumentParser = args.parser
+        command: argparse.ArgumentParser = getattr(args, "parser", parser)
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     func: Callable[[argparse.Namespace], int] = args.func
     return func(args)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -755,7 +755,10 @@ class WorkingNotStored(AgentError):
 
     def __init__(self, task_id: str) -> None:
         self.task_id = task_id
-        super().__init__(f"task {task_id!r} could not be stored as working, so the run stopped before calling the model")
+        super().__init__(
+            f"task {task_id!r} could not be stored as working, so the run stopped before calling the model; "
+            "send the message again, with a new messageId, once the server's storage is back"
+        )
 
 
 def _check_same(message: Message, sent: Message, task: Task, where: str) -> Task:

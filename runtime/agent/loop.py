@@ -84,7 +84,9 @@ class AgentSpec:
 @attrs.frozen
 class Result:
     """How a turn ended. ``unapplied_steers`` were handed to the run (``AgentRun.steer``) too late
-    for any request; steers left in the store too late stay there for the session's next run."""
+    for any request. Steers left in the store too late stay there: one left for no task in
+    particular for the session's next run, one left for this run's task for none (a later task's
+    run drops it; see SessionStore.take_steers)."""
 
     output: str
     messages: tuple[Message, ...]

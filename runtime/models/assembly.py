@@ -66,9 +66,12 @@ class StreamAssembler:
         chunk that only names the assistant's role is none of it, nor is a comment)."""
         return bool(self._text or self._held or self._calls or self._finish_reason)
 
-    def end_of_stream(self) -> list[Delta]:
+    def end_of_stream(self, *, cut_off: bool = False) -> list[Delta]:
         """The body ended. A server that finished but sent no ``[DONE]`` is forgiven; one that
-        stopped before the model finished is not."""
+        stopped before the model finished is not. ``cut_off``: the connection broke, so an event
+        still being collected is a fragment, and dropped."""
+        if cut_off:
+            self._data.clear()
         deltas = self._dispatch()
         if not self.done:
             if not self._finish_reason:

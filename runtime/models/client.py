@@ -493,6 +493,7 @@ class ChatStream:
     _pending: deque[Delta] = attrs.field(init=False, factory=deque)
     _entered: bool = attrs.field(init=False, default=False)
     _body_ended: bool = attrs.field(init=False, default=False)
+    _cut_off: bool = attrs.field(init=False, default=False)  # the connection broke after the model finished
     _quiet_until: float = attrs.field(init=False, default=0.0)  # when the model has been silent too long
     _whole: Completion | None = attrs.field(init=False, default=None)  # from a server that would not stream
 
@@ -562,7 +563,7 @@ class ChatStream:
                 line = await self._read_line()
                 try:
                     if line is None:
-                        self._pending.extend(self._assembler.end_of_stream())
+                        self._pending.extend(self._assembler.end_of_stream(cut_off=self._cut_off))
                         continue
                     if line.startswith("data"):
                         self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
@@ -583,6 +584,8 @@ class ChatStream:
                 return None
             chunk = await self._read_chunk()
             if chunk is None:
+                if self._cut_off:  # a line the break cut in two is a fragment, not a line
+                    return None
                 return self._splitter.close() or None  # a last line may have no line ending
             try:
                 self._lines.extend(self._splitter.feed(chunk))
@@ -603,6 +606,7 @@ class ChatStream:
             return None
         except httpx.RequestError as exc:
             if self._assembler.finished:  # the answer is whole; only the end of the body was lost
+                self._cut_off = True
                 return None
             raise self._client._broken_answer(exc, started=self._assembler.started) from exc
         finally:

@@ -901,11 +901,17 @@ async def test_an_answer_the_model_finished_is_kept_when_the_connection_breaks_b
     # A proxy that closes the connection once the model has said it finished, before [DONE] and
     # before the body's last chunk: the answer is whole; only the end of the body was lost.
     finished = await serve_then_close(nursery, STREAM_HEAD + sse_bytes(delta(content="The lease expired."), STOPPED))
+    # ... or in the middle of the event after the finish (the usage, say): a fragment, dropped.
+    fragment = b'data: {"choices":[],"usage":{"prompt_tok'
+    mid_event = await serve_then_close(
+        nursery, STREAM_HEAD + sse_bytes(delta(content="The lease expired."), STOPPED) + b"%x\r\n%s\r\n" % (len(fragment), fragment)
+    )
     unfinished = await serve_then_close(nursery, STREAM_HEAD + sse_bytes(delta(content="The lease")))
     with trio.fail_after(DEADLINE_S):
-        async with open_model_client(ModelConfig(base_url=finished, max_retries=0)) as client:
-            _, completion = await read_stream(client)
-        assert (completion.message.text, completion.finish_reason) == ("The lease expired.", "stop")
+        for url in (finished, mid_event):
+            async with open_model_client(ModelConfig(base_url=url, max_retries=0)) as client:
+                _, completion = await read_stream(client)
+            assert (completion.message.text, completion.finish_reason) == ("The lease expired.", "stop")
         async with open_model_client(ModelConfig(base_url=unfinished, max_retries=0)) as client:
             with pytest.raises(ModelUnavailable, match="broke"):  # before the finish, the same break is a broken answer
                 await read_stream(client)

@@ -135,7 +135,8 @@ async def test_a_working_state_that_cannot_be_stored_fails_the_run_saying_so() -
         assert ended.status.state is TaskState.FAILED
         said = ended.status.message.parts[0].text  # type: ignore[union-attr]
         assert said == (
-            f"The task failed: task {task.id!r} could not be stored as working, so the run stopped before calling the model"
+            f"The task failed: task {task.id!r} could not be stored as working, so the run stopped before calling the model;"
+            " send the message again, with a new messageId, once the server's storage is back"
         )
         assert not model.requests
         assert (await stored(tasks, task.id))[0].status.state is TaskState.FAILED
