@@ -3,6 +3,7 @@ over real HTTP and real SQLite, or the runner alone."""
 
 from __future__ import annotations
 
+from typing import Any
 
 import attrs
 import pytest
@@ -59,23 +60,11 @@ class HeldCompletion(MemoryTaskStore):
     entered: trio.Event = attrs.field(factory=trio.Event)
     release: trio.Event = attrs.field(factory=trio.Event)
 
-    async def update(
-        self,
-        owner: str,
-        task_id: str,
-        *,
-        state: str,
-        task_json: str,
-        expected_version: int | None,
-        urgent: bool = False,
-        updated_at_ms: int | None = None,
-    ) -> TaskRecord:
-        if state == "TASK_STATE_COMPLETED":
+    async def update(self, owner: str, task_id: str, **fields: Any) -> TaskRecord:
+        if fields["state"] == "TASK_STATE_COMPLETED":
             self.entered.set()
             await self.release.wait()
-        return await super().update(
-            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, updated_at_ms=updated_at_ms
-        )
+        return await super().update(owner, task_id, **fields)
 
 
 async def test_the_drains_log_line_does_not_call_a_task_whose_run_had_ended_canceled(

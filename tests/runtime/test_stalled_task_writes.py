@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import attrs
 import outcome
@@ -40,36 +41,18 @@ class LateLanding(MemoryTaskStore):
     def hold_next(self) -> None:
         self._hold_next = True
 
-    async def update(
-        self,
-        owner: str,
-        task_id: str,
-        *,
-        state: str,
-        task_json: str,
-        expected_version: int | None,
-        urgent: bool = False,
-        updated_at_ms: int | None = None,
-    ) -> TaskRecord:
+    async def update(self, owner: str, task_id: str, **fields: Any) -> TaskRecord:
         write = MemoryTaskStore.update
-        held = self._hold_next or state == self.held_state
+        held = self._hold_next or fields["state"] == self.held_state
         if not held or self.release.is_set():
-            return await write(
-                self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version,
-                updated_at_ms=updated_at_ms,
-            )  # fmt: skip
+            return await write(self, owner, task_id, **fields)
         self._hold_next = False
         landed = trio.Event()
         result: list[outcome.Outcome[TaskRecord]] = []
 
         async def land() -> None:
             await self.release.wait()
-            result.append(
-                await outcome.acapture(
-                    write, self, owner, task_id, state=state, task_json=task_json, expected_version=expected_version,
-                    updated_at_ms=updated_at_ms,
-                )  # fmt: skip
-            )
+            result.append(await outcome.acapture(write, self, owner, task_id, **fields))
             landed.set()
 
         assert self.nursery is not None

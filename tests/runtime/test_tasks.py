@@ -164,23 +164,11 @@ class NotedTasks(MemoryTaskStore):
     fail_at: str | None = None
     writes: list[tuple[str, bool]] = attrs.field(factory=list)
 
-    async def update(
-        self,
-        owner: str,
-        task_id: str,
-        *,
-        state: str,
-        task_json: str,
-        expected_version: int | None,
-        urgent: bool = False,
-        updated_at_ms: int | None = None,
-    ) -> TaskRecord:
-        self.writes.append((state, urgent))
-        if state == self.fail_at:
+    async def update(self, owner: str, task_id: str, **fields: Any) -> TaskRecord:
+        self.writes.append((fields["state"], fields.get("urgent", False)))
+        if fields["state"] == self.fail_at:
             raise StoreClosed("tasks.db")
-        return await super().update(
-            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, updated_at_ms=updated_at_ms
-        )
+        return await super().update(owner, task_id, **fields)
 
 
 @asynccontextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -157,26 +158,13 @@ class HeldWorking(SqliteTaskStore):
     release: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
     fail: bool = attrs.field(default=False, kw_only=True)
 
-    async def update(
-        self,
-        owner: str,
-        task_id: str,
-        *,
-        state: str,
-        task_json: str,
-        expected_version: int | None,
-        urgent: bool = False,
-        updated_at_ms: int | None = None,
-    ) -> TaskRecord:
-        if state == TaskState.WORKING.wire_name(STORED_VERSION):
+    async def update(self, owner: str, task_id: str, **fields: Any) -> TaskRecord:
+        if fields["state"] == TaskState.WORKING.wire_name(STORED_VERSION):
             self.entered.set()
             await self.release.wait()
             if self.fail:
                 raise StoreClosed("tasks.db")
-        return await super().update(
-            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent,
-            updated_at_ms=updated_at_ms,
-        )  # fmt: skip
+        return await super().update(owner, task_id, **fields)
 
 
 def held_working(fail: bool) -> OpenTasks:
@@ -273,22 +261,9 @@ class NotedStates(SqliteTaskStore):
 
     states: list[str] = attrs.field(factory=list, kw_only=True)
 
-    async def update(
-        self,
-        owner: str,
-        task_id: str,
-        *,
-        state: str,
-        task_json: str,
-        expected_version: int | None,
-        urgent: bool = False,
-        updated_at_ms: int | None = None,
-    ) -> TaskRecord:
-        record = await super().update(
-            owner, task_id, state=state, task_json=task_json, expected_version=expected_version, urgent=urgent,
-            updated_at_ms=updated_at_ms,
-        )  # fmt: skip
-        self.states.append(state)
+    async def update(self, owner: str, task_id: str, **fields: Any) -> TaskRecord:
+        record = await super().update(owner, task_id, **fields)
+        self.states.append(fields["state"])
         return record
 
 
