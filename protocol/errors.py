@@ -8,6 +8,7 @@ ProtocolError
 │   └── ContextMismatch                     a message's contextId is not its task's
 ├── InternalError                   -32603  a bug or an outage; details stay in the log
 │   ├── StorageFailed                       the server's storage failed (a full disk, say)
+│   ├── TaskUnreadable                      a stored task's row cannot be read (it was damaged)
 │   ├── EndNotStored                        a blocking send's task ended, its end unwritten
 │   └── StreamCut                           a stream ended before its task did
 ├── TaskNotFound                    -32001  no such task (for this caller)
@@ -135,6 +136,18 @@ class StorageFailed(InternalError):
             self,
             f"the server's storage failed while handling {what}; what it acknowledged before is kept. Try again "
             "shortly (a message sent again with the same messageId is taken once); the server log has the details",
+        )
+
+
+class TaskUnreadable(InternalError):
+    """A stored task this server cannot read (its row was damaged): the operator must repair it."""
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+        ProtocolError.__init__(
+            self,
+            f"task {task_id!r} is stored in a form this server cannot read; nothing else is affected, and the server "
+            "log tells its operator how to repair it",
         )
 
 

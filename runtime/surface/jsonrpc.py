@@ -41,6 +41,7 @@ from protocol import (
     TaskIdParams,
     TaskIsTerminal,
     TaskQueryParams,
+    TaskUnreadable,
     UnsupportedOperation,
     encode_json,
     error_response,
@@ -52,6 +53,7 @@ from protocol import (
     trim_history,
 )
 from runtime.surface.card import CARD_PATH
+from runtime.tasks import UnreadableTask
 from runtime.surface.streams import TaskEventStream, event_stream_response
 
 if TYPE_CHECKING:
@@ -132,6 +134,9 @@ class JsonRpcEndpoint:
         except (DatabaseFailed, StoreClosed, TimeoutError) as exc:  # an outage (or a stalled disk), not a bug: one line in the log
             logger.error("JSON-RPC %s failed: %s", target.method, exc)
             return json_response(error_response(request_id, StorageFailed(f"{target.method!r}"), target.version))
+        except UnreadableTask as exc:  # a damaged row: the operator's to repair, as the log says
+            logger.error("JSON-RPC %s failed: %s", target.method, exc)
+            return json_response(error_response(request_id, TaskUnreadable(exc.task_id), target.version))
         except Exception:
             logger.exception("JSON-RPC %s failed", target.method)
             error = InternalError(f"{target.method!r}")

@@ -1080,3 +1080,30 @@ async def test_the_endpoint_answers_with_and_without_a_trailing_slash(fake_model
             check_error(response.json()["error"], -32001, V1, "TASK_NOT_FOUND")
         with trio.fail_after(DEADLINE_S):
             assert (await keel.http.post("/", json=keel.body("GetTask", {"id": "x"}))).status_code == 404
+
+
+async def test_a_stored_task_that_cannot_be_read_is_named_to_the_client_and_logged_in_one_line(
+    keel: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    keel.model.script = [Reply(text="Rolled back."), Reply(text="Still fine.")]
+    damaged = await keel.send("Roll back the deploy")
+    kept = await keel.send("And the cache?")
+    with closing(sqlite3.connect(keel.state_dir / "tasks.db", isolation_level=None)) as conn:
+        conn.execute("UPDATE tasks SET task = '{not json' WHERE id = ?", (damaged["id"],))
+
+    with caplog.at_level(logging.ERROR, logger="runtime.surface"):
+        errors = [
+            await keel.error("GetTask", {"id": damaged["id"]}),
+            await keel.error("CancelTask", {"id": damaged["id"]}),
+            await keel.error("ListTasks", {}),
+        ]
+    for error in errors:
+        check_error(error, -32603, V1, "INTERNAL_ERROR")
+        assert error["message"].startswith(f"task {damaged['id']!r} is stored in a form this server cannot read")
+        assert "tasks.db" not in error["message"] and str(keel.state_dir) not in error["message"]
+    assert len(caplog.records) == 3
+    for record in caplog.records:  # the operator is told which task, where, and what to do; no traceback
+        assert f"task {damaged['id']!r} in tasks.db cannot be read (its JSON does not parse" in record.getMessage()
+        assert "python -m runtime state restore" in record.getMessage()
+        assert record.exc_info is None
+    assert (await keel.result("GetTask", {"id": kept["id"]}))["status"]["state"] == "TASK_STATE_COMPLETED"
