@@ -106,7 +106,7 @@ class Journal:
         txid = document["transaction_id"]
         if not isinstance(txid, str) or not TRANSACTION_ID.fullmatch(txid):
             raise RecoveryError("Restore journal has an invalid transaction id.")
-        phase = _PHASE_BY_NAME.get(document["phase"])
+        phase = _PHASE_BY_NAME.get(document["phase"]) if isinstance(document["phase"], str) else None
         if phase is None:
             raise RecoveryError(f"Restore journal has an invalid phase: {document['phase']!r}")
         if document["staging_dir"] != STAGING_PREFIX + txid:

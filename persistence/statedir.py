@@ -219,7 +219,10 @@ def decode_document(data: bytes) -> dict[str, object]:
     def no_constants(name: str) -> object:
         raise ValueError(f"{name} is not a number")
 
-    document = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    try:
+        document = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    except RecursionError:
+        raise ValueError("it is nested deeper than can be read") from None
     if not isinstance(document, dict):
         raise ValueError("the top level is not a JSON object")
     return document

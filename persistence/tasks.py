@@ -92,7 +92,7 @@ def decode_page_token(token: str) -> tuple[int, str]:
         # cannot hold as an integer would fail the query, not name the token.
         if type(updated) is not int or not 0 <= updated < 2**63 or type(task_id) is not str or lone_surrogate(task_id):
             raise ValueError
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested deeper than JSON is read
         raise InvalidPage(
             f"page token {token[:40]!r} is malformed; pass the nextPageToken of the previous page, or none for the first"
         ) from exc

@@ -255,6 +255,7 @@ def entry_with(**changes: object) -> list[dict[str, object]]:
         (edited(format_version=1.0), "Unsupported restore journal format 1.0"),
         (edited(transaction_id="not-hex"), "Restore journal has an invalid transaction id."),
         (edited(phase="half-done"), "Restore journal has an invalid phase: 'half-done'"),
+        (edited(phase=["prepared"]), "Restore journal has an invalid phase: ['prepared']"),
         (edited(staging_dir="../elsewhere"), "Restore journal has an invalid staging directory."),
         (edited(quarantine_dir=".restore-quarantine.x"), "Restore journal has an invalid quarantine directory."),
         (edited(new_inventory=[]), "Restore journal has an invalid new inventory."),
@@ -282,6 +283,13 @@ def test_recover_refuses_an_invalid_journal_and_leaves_it_in_place(
 
 def test_recover_refuses_a_torn_durable_journal(tmp_path: Path) -> None:
     (tmp_path / JOURNAL_NAME).write_bytes(encode_document(valid_journal())[:30])
+    with pytest.raises(RecoveryError, match="is not a JSON document"):
+        recover(tmp_path)
+    assert (tmp_path / JOURNAL_NAME).exists()
+
+
+def test_recover_refuses_a_journal_nested_deeper_than_can_be_read(tmp_path: Path) -> None:
+    (tmp_path / JOURNAL_NAME).write_bytes(b"[" * 100_000)
     with pytest.raises(RecoveryError, match="is not a JSON document"):
         recover(tmp_path)
     assert (tmp_path / JOURNAL_NAME).exists()

@@ -626,8 +626,9 @@ async def test_list_tasks_after_a_status_timestamp_gives_exactly_the_tasks_whose
         # Forged: a time past SQLite's integers, and one that is true rather than a number.
         ({"pageToken": base64.urlsafe_b64encode(b'[1000000000000000000000000000000,"t"]').decode()}, TOKEN_REFUSED),
         ({"pageToken": base64.urlsafe_b64encode(b'[true,"t"]').decode()}, TOKEN_REFUSED),
+        ({"pageToken": base64.urlsafe_b64encode(b"[" * 3000).decode()}, TOKEN_REFUSED),  # deeper than JSON is read
     ],
-    ids=["size-0", "size-101", "token-garbage", "token-huge-time", "token-boolean-time"],
+    ids=["size-0", "size-101", "token-garbage", "token-huge-time", "token-boolean-time", "token-nested"],
 )
 async def test_list_tasks_refuses_bad_paging_saying_what_to_send(keel: Served, params: dict[str, Any], words: str) -> None:
     error = await keel.error("ListTasks", params)
