@@ -83,9 +83,10 @@ def create_snapshot(
         recover_locked(state_dir, exclusive_held=False)
         names = _database_names(state_dir)
         backup_root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        _remove_abandoned(backup_root)
         with _claim_stamp(backup_root, stamp):
             target = _write_snapshot(state_dir, backup_root, stamp, names, app_version, now)
-    prune_snapshots(backup_root, keep=keep)
+    prune_snapshots(backup_root, keep=keep, keeping=target)
     return target
 
 
@@ -104,11 +105,11 @@ def _database_names(state_dir: Path) -> list[str]:
 
 
 @contextmanager
-def _claim_stamp(backup_root: Path, stamp: str) -> Iterator[None]:
-    """Own ``stamp`` in ``backup_root`` for as long as the snapshot is being written.
+def _stamp_lock(backup_root: Path, stamp: str) -> Iterator[bool]:
+    """Hold ``.snapshot-<stamp>.lock`` for the block, yielding True; False if a live process holds it.
 
-    An flock (released by the kernel if this process dies) on ``.snapshot-<stamp>.lock``; the file
-    is unlinked while still locked, so a claimant that opened the old inode re-checks and retries.
+    An flock, released by the kernel if this process dies; the file is unlinked while still
+    locked, so a claimant that opened the old inode re-checks and retries.
     """
     path = backup_root / f".snapshot-{stamp}.lock"
     while True:
@@ -117,7 +118,8 @@ def _claim_stamp(backup_root: Path, stamp: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise SnapshotError(f"another process is writing snapshot {stamp} in {backup_root}") from None
+            yield False
+            return
         try:
             same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -126,21 +128,43 @@ def _claim_stamp(backup_root: Path, stamp: str) -> Iterator[None]:
             break
         os.close(fd)  # the previous owner unlinked it after we opened it; claim the new file
     try:
-        if os.path.lexists(backup_root / stamp):
-            raise SnapshotError(
-                f"a snapshot named {stamp} already exists in {backup_root}; snapshots are never overwritten"
-            )
-        yield
+        yield True
     finally:
         path.unlink(missing_ok=True)
         os.close(fd)
 
 
+@contextmanager
+def _claim_stamp(backup_root: Path, stamp: str) -> Iterator[None]:
+    """Own ``stamp`` in ``backup_root`` for as long as the snapshot is being written."""
+    with _stamp_lock(backup_root, stamp) as held:
+        if not held:
+            raise SnapshotError(f"another process is writing snapshot {stamp} in {backup_root}")
+        if os.path.lexists(backup_root / stamp):
+            raise SnapshotError(
+                f"a snapshot named {stamp} already exists in {backup_root}; snapshots are never overwritten"
+            )
+        yield
+
+
+_ABANDONED = re.compile(r"\.incomplete-(\d{8}T\d{6}Z)\..+|\.snapshot-(\d{8}T\d{6}Z)\.lock")
+
+
+def _remove_abandoned(backup_root: Path) -> None:
+    """Remove what snapshot writers that died left (``kill -9``, a power cut): their staging
+    directories, which hold full copies of the databases, and their lock files; a stamp that a
+    live writer holds is left alone."""
+    stamps = {found[1] or found[2] for found in map(_ABANDONED.fullmatch, os.listdir(backup_root)) if found}
+    for stamp in sorted(stamps):
+        with _stamp_lock(backup_root, stamp) as held:
+            if held:
+                for stale in backup_root.glob(f".incomplete-{stamp}.*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+
+
 def _write_snapshot(
     state_dir: Path, backup_root: Path, stamp: str, names: list[str], app_version: str, now: datetime
 ) -> Path:
-    for stale in backup_root.glob(f".incomplete-{stamp}.*"):
-        shutil.rmtree(stale)  # left by a process that died holding this stamp; we own it now
     staging = Path(tempfile.mkdtemp(prefix=f".incomplete-{stamp}.", dir=backup_root))
     try:
         os.chmod(staging, DIR_MODE)
@@ -203,9 +227,13 @@ def complete_snapshots(backup_root: Path) -> list[Path]:
     return sorted(path for path in found if path.is_dir() and (path / MARKER_NAME).is_file())
 
 
-def prune_snapshots(backup_root: Path, *, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete snapshots; anything else is left alone."""
-    expired = complete_snapshots(backup_root)[:-keep]
+def prune_snapshots(backup_root: Path, *, keep: int, keeping: Path | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` complete snapshots; anything else is left alone.
+
+    ``keeping`` (the snapshot just written) is one of those kept even if its stamp is older than
+    the others' (given by hand, or the clock stepped back): its path was reported as a backup."""
+    others = [path for path in complete_snapshots(backup_root) if path != keeping]
+    expired = others[: max(0, len(others) - (keep - 1 if keeping is not None else keep))]
     for path in expired:
         try:
             shutil.rmtree(path)

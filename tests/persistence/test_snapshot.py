@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,45 @@ def test_snapshot_retention_keeps_the_newest_complete_snapshots_only(state_dir: 
         snap(state_dir, f"20260102T03040{second}Z", keep=2)
     assert [path.name for path in complete_snapshots(root)] == ["20260102T030402Z", "20260102T030403Z"]
     assert unfinished.is_dir()
+
+
+def test_snapshot_retention_never_prunes_the_snapshot_just_written(state_dir: Path) -> None:
+    # A stamp older than those kept: given by hand, or the clock stepped back.
+    root = state_dir.parent / "backups"
+    newer = snap(state_dir, "20260101T000000Z", keep=1)
+    older = snap(state_dir, "20250101T000000Z", keep=1)
+    assert complete_snapshots(root) == [older]
+    assert read_snapshot(older).databases  # whole, and valid
+    assert not newer.exists()
+
+
+# A snapshot writer ended where a kill -9 would end it: its copies made, its manifest not yet.
+KILLED_MIDWAY = """
+import os, sys
+from pathlib import Path
+import persistence.snapshot as snapshot
+snapshot.write_new_file = lambda *args: os._exit(137)
+snapshot.create_snapshot(Path(sys.argv[1]), Path(sys.argv[2]), keep=7, app_version="1", stamp=sys.argv[3])
+"""
+
+
+def test_what_a_snapshot_killed_midway_left_is_removed_by_the_next_one(state_dir: Path) -> None:
+    root = state_dir.parent / "backups"
+    killed = subprocess.run([sys.executable, "-c", KILLED_MIDWAY, state_dir, root, "20260101T000000Z"], check=False)
+    assert killed.returncode == 137
+    left = sorted(os.listdir(root))
+    assert left[0].startswith(".incomplete-20260101T000000Z.") and left[1:] == [".snapshot-20260101T000000Z.lock"]
+    assert "runtime.db" in os.listdir(root / left[0])  # a copy of the conversations, left behind
+    # Another writer, alive, is in the middle of its own: what it has is left alone.
+    busy = root / ".incomplete-20260101T000001Z.abcd1234"
+    busy.mkdir()
+    fd = os.open(root / ".snapshot-20260101T000001Z.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        snapshot = snap(state_dir, "20260101T000002Z")
+        assert sorted(os.listdir(root)) == [busy.name, ".snapshot-20260101T000001Z.lock", snapshot.name]
+    finally:
+        os.close(fd)
 
 
 def test_snapshot_refuses_a_database_that_fails_its_integrity_check(state_dir: Path) -> None:
