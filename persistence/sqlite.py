@@ -350,12 +350,28 @@ class SqlitePool:
             raise DatabaseFailed(self.path, exc) from exc
 
     async def aclose(self) -> None:
-        """Close the connection once the calls already queued have run (they raise StoreClosed)."""
+        """Close the connection once the calls already queued have run (they raise StoreClosed).
+
+        Cancellable, unlike a call: cancelled (a shutdown's bound, past a stalled disk), it
+        returns at once, and the pool's thread still closes the connection when it gets there."""
         if self._closed:
             return
         self._closed = True
         if self._thread is None:
             await trio.to_thread.run_sync(self._conn.close)
             return
-        await self._submit(_close, ())
-        await trio.to_thread.run_sync(self._thread.join)
+        task = trio.lowlevel.current_task()
+        waiting = True
+
+        def closed(result: outcome.Outcome[Any]) -> None:  # in the Trio thread
+            if waiting:
+                trio.lowlevel.reschedule(task, result)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            nonlocal waiting
+            waiting = False
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        self._put(_Job(_close, (), trio.lowlevel.current_trio_token(), closed))
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)

@@ -352,6 +352,31 @@ async def test_a_pool_call_once_queued_finishes_and_the_cancellation_comes_after
     assert names == ["slow"]  # the queued call ran whole; the one cancelled before queueing never ran
 
 
+async def test_a_bound_on_closing_a_pool_holds_while_a_call_is_stalled_and_the_thread_closes_later(
+    tmp_path: Path,
+) -> None:
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    started, release = threading.Event(), threading.Event()
+
+    def stalled_write(conn: sqlite3.Connection) -> None:  # a disk that stopped answering
+        started.set()
+        release.wait(10)
+        conn.execute("INSERT INTO app_states VALUES ('stalled', '{}', 0)")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pool.run, stalled_write)
+        await trio.to_thread.run_sync(started.wait, 10)
+        with trio.move_on_after(0.2, shield=True) as bound:  # as the server bounds each store's close
+            await pool.aclose()
+        assert bound.cancelled_caught, "aclose() waited past its bound for the stalled call"
+        release.set()  # the disk answers: the call finishes, and the thread closes the file after it
+    [thread] = [t for t in threading.enumerate() if t.name == "sqlite runtime.db"]
+    await trio.to_thread.run_sync(thread.join, 10)
+    assert not thread.is_alive()
+    with closing(sqlite3.connect(tmp_path / "runtime.db")) as conn:
+        assert conn.execute("SELECT app_name FROM app_states").fetchall() == [("stalled",)]
+
+
 async def test_a_closed_pool_refuses_calls_and_fails_those_queued_behind_the_close(tmp_path: Path) -> None:
     from persistence.errors import StoreClosed
 
