@@ -155,9 +155,21 @@ def recover_locked(state_dir: Path, *, exclusive_held: bool) -> RecoveryOutcome:
     with ExitStack() as stack:
         if not exclusive_held:
             stack.enter_context(exclusive_use(state_dir))  # never change files under a running server
-        if JOURNAL_NAME not in residue:
-            return _recover_unpublished(state_dir, residue)
-        return _recover_journal(state_dir, parse_journal_file(state_dir / JOURNAL_NAME), residue)
+        try:
+            if JOURNAL_NAME not in residue:
+                return _recover_unpublished(state_dir, residue)
+            return _recover_journal(state_dir, parse_journal_file(state_dir / JOURNAL_NAME), residue)
+        except RecoveryError as exc:
+            said = str(exc)
+            raise type(exc)(f"{said}{' ' if said.endswith('.') else '. '}{ways_out(state_dir)}") from exc
+
+
+def ways_out(state_dir: Path) -> str:
+    """What an operator can do with a state directory that recovery cannot account for."""
+    return (
+        f"Recovery left {state_dir} as it was. To serve from it again, empty it (python -m runtime state reset)"
+        " and then, to bring back what a snapshot holds, python -m runtime state restore SNAPSHOT"
+    )
 
 
 def _recover_journal(state_dir: Path, journal: Journal, residue: list[str]) -> RecoveryOutcome:

@@ -214,7 +214,7 @@ def test_recover_refuses_planted_incomplete_journal_and_keeps_it_until_removed(t
     with pytest.raises(RecoveryError) as caught:
         recover(tmp_path)
 
-    assert str(caught.value) == "Restore journal is incomplete or has unsupported fields."
+    assert str(caught.value).startswith(f"Restore journal is incomplete or has unsupported fields. Recovery left {tmp_path} as it was.")
     assert journal.read_text() == '{"phase":"prepared"}'
     journal.unlink()
     assert recover(tmp_path).action is RecoveryAction.CLEAN
@@ -397,7 +397,7 @@ def test_one_server_holds_a_state_directory_and_a_second_is_told_so(tmp_path: Pa
 
 def test_hold_state_dir_refuses_planted_incomplete_journal(tmp_path: Path) -> None:
     (tmp_path / JOURNAL_NAME).write_text('{"phase":"prepared"}')
-    with pytest.raises(RecoveryError, match=r"^Restore journal is incomplete or has unsupported fields\.$"):
+    with pytest.raises(RecoveryError, match=r"^Restore journal is incomplete or has unsupported fields\. Recovery left .* as it was\."):
         hold_state_dir(tmp_path)
     with exclusive_use(tmp_path):
         pass  # the refusal left no lock behind

@@ -88,7 +88,7 @@ def test_state_commands_refuse_a_planted_incomplete_journal_until_it_is_removed(
         refused = keel(tmp_path, "state", *command, "--state-dir", str(state))
         assert refused.returncode == 1, command
         if command[0] != "restore":  # restore validates its snapshot first, and this one is absent
-            assert refused.stderr.strip() == f"error: {INCOMPLETE}"
+            assert refused.stderr.strip().startswith(f"error: {INCOMPLETE} Recovery left {state} as it was.")
     assert journal.read_text() == '{"phase":"prepared"}'
 
     journal.unlink()
@@ -106,7 +106,7 @@ def test_state_restore_refuses_a_planted_incomplete_journal_with_a_valid_snapsho
     refused = keel(tmp_path, "state", "restore", str(snapshot), "--state-dir", str(state))
 
     assert refused.returncode == 1
-    assert refused.stderr.strip() == f"error: {INCOMPLETE}"
+    assert refused.stderr.strip().startswith(f"error: {INCOMPLETE} Recovery left {state} as it was.")
     assert fingerprint(state) == before
 
 
@@ -147,6 +147,30 @@ def test_state_recover_rolls_back_a_restore_killed_mid_quarantine(tmp_path: Path
     assert recovered.returncode == 0, recovered.stderr
     assert "rolled back restore" in recovered.stdout
     assert fingerprint(state) == before
+
+
+def test_a_state_directory_recovery_cannot_account_for_is_named_with_the_ways_out_and_they_work(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    old_generation(state)
+    snapshot = new_snapshot(tmp_path)
+    assert run_child("after-quarantine", snapshot, state).returncode == 71
+    [quarantine] = state.glob(".restore-quarantine.*")
+    for moved in quarantine.iterdir():  # the evidence of the old generation, lost (removed by hand, say)
+        moved.unlink()
+
+    for refused in (keel(tmp_path, "state", "recover", "--state-dir", str(state)), keel(tmp_path, "serve", "--state-dir", str(state), "--port", "0")):
+        assert refused.returncode == 1
+        [said] = refused.stderr.strip().splitlines()
+        assert said.startswith("error: Restore recovery is missing byte-identical old evidence for ")
+        assert f"Recovery left {state} as it was" in said
+        assert "python -m runtime state reset" in said and "python -m runtime state restore SNAPSHOT" in said
+
+    assert keel(tmp_path, "state", "reset", "--state-dir", str(state)).returncode == 0
+    restored = keel(tmp_path, "state", "restore", str(snapshot), "--state-dir", str(state))
+    assert restored.returncode == 0, restored.stderr
+    assert fingerprint(state) == snapshot_databases(snapshot)
 
 
 def test_state_restore_reports_a_damaged_snapshot_and_changes_nothing(tmp_path: Path) -> None:
