@@ -43,6 +43,7 @@ from protocol import (
     TaskQueryParams,
     TaskUnreadable,
     UnsupportedOperation,
+    encode_event,
     encode_json,
     error_response,
     parse_request,
@@ -52,6 +53,7 @@ from protocol import (
     success_response,
     trim_history,
 )
+from protocol.sse import HEADERS as SSE_HEADERS
 from runtime.surface.card import CARD_PATH
 from runtime.tasks import UnreadableTask
 from runtime.surface.streams import TaskEventStream, event_stream_response
@@ -130,17 +132,23 @@ class JsonRpcEndpoint:
             result = await self._answer(target.operation, params, target.version)
             return json_response(success_response(request_id, result))  # encoding can fail too
         except ProtocolError as exc:
-            return json_response(error_response(request_id, exc, target.version))
+            error = exc
         except (DatabaseFailed, StoreClosed, TimeoutError) as exc:  # an outage (or a stalled disk), not a bug: one line in the log
             logger.error("JSON-RPC %s failed: %s", target.method, exc)
-            return json_response(error_response(request_id, StorageFailed(f"{target.method!r}"), target.version))
+            error = StorageFailed(f"{target.method!r}")
         except UnreadableTask as exc:  # a damaged row: the operator's to repair, as the log says
             logger.error("JSON-RPC %s failed: %s", target.method, exc)
-            return json_response(error_response(request_id, TaskUnreadable(exc.task_id), target.version))
+            error = TaskUnreadable(exc.task_id)
         except Exception:
             logger.exception("JSON-RPC %s failed", target.method)
             error = InternalError(f"{target.method!r}")
-            return json_response(error_response(request_id, error, target.version))
+        body = error_response(request_id, error, target.version)
+        if target.operation.streams and target.version.is_legacy:
+            # A 0.3 client takes nothing but an event stream from a streaming method (a2a-sdk
+            # 0.3 refuses a JSON body before reading it): the error is that stream's one event,
+            # as the 0.3 reference server sends it. 1.0 clients get JSON, as from every method.
+            return Response(encode_event(body), status=200, headers=dict(SSE_HEADERS))
+        return json_response(body)
 
     async def _answer(self, operation: Operation, params: Params, version: ProtocolVersion) -> object:
         if operation.is_push_config:

@@ -135,6 +135,18 @@ class Served:
         assert "result" not in body, body
         return body["error"]  # type: ignore[no-any-return]
 
+    async def stream_error(self, method: str, params: JsonObject, *, version: str | None = "1.0") -> JsonObject:
+        """The error a streaming method answers before any stream: in 1.0 a JSON body, as every
+        JSON-RPC error; in 0.3 an event stream of that one response, which 0.3 clients require
+        (they refuse any other content type) and the 0.3 reference server sends."""
+        if version == "1.0":
+            return await self.error(method, params, version=version)
+        async with self.stream(method, params, version=version) as events:
+            assert events.response.headers["content-type"].startswith("text/event-stream")
+            [response] = await events.rest()
+        assert response["id"] == 1 and "result" not in response, response
+        return response["error"]  # type: ignore[no-any-return]
+
     async def send(self, text: str, *, version: str | None = "1.0", blocking: bool = True, **ids: str) -> JsonObject:
         """A task created by a send; the 1.0 result is unwrapped from ``{"task": ...}``."""
         if version is None:

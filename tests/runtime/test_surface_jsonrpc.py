@@ -192,7 +192,8 @@ async def test_a_send_asking_for_push_notifications_is_refused_and_starts_nothin
     field = "taskPushNotificationConfig" if version == V1 else "pushNotificationConfig"
     method = {V1: "SendStreamingMessage", V03: "message/stream"}[version] if streaming else SEND[version]
     params = {"message": message("Tell me when it is done.", version), "configuration": {field: {"url": "https://client.example/hook"}}}
-    check_error(await keel.error(method, params, version=version), -32003, version, "PUSH_NOTIFICATION_NOT_SUPPORTED")
+    error = await (keel.stream_error if streaming else keel.error)(method, params, version=version)
+    check_error(error, -32003, version, "PUSH_NOTIFICATION_NOT_SUPPORTED")
     assert keel.model.bodies == []
     assert (await keel.result("ListTasks", {}))["totalSize"] == 0
 

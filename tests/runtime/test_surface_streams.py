@@ -156,14 +156,14 @@ async def test_every_subscriber_gets_every_event(keel: Served) -> None:
 async def test_subscribe_to_a_terminal_task_is_unsupported_operation(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(text="ok")]
     done = await keel.send("one", version=version)
-    error = await keel.error(SUBSCRIBE[version], {"id": done["id"]}, version=version)
+    error = await keel.stream_error(SUBSCRIBE[version], {"id": done["id"]}, version=version)
     assert error["code"] == -32004
     assert done["id"] in error["message"]
 
 
 @BOTH
 async def test_subscribe_to_an_unknown_task_is_task_not_found(keel: Served, version: str | None) -> None:
-    assert (await keel.error(SUBSCRIBE[version], {"id": "no-such-task"}, version=version))["code"] == -32001
+    assert (await keel.stream_error(SUBSCRIBE[version], {"id": "no-such-task"}, version=version))["code"] == -32001
 
 
 @BOTH
@@ -171,11 +171,13 @@ async def test_a_stream_to_a_terminal_task_is_an_error_not_a_stream(keel: Served
     keel.model.script = [Reply(text="ok")]
     done = await keel.send("one", version=version)
     params = {"message": message("again", version, taskId=done["id"])}
-    assert (await keel.error(STREAM[version], params, version=version))["code"] == -32004
+    assert (await keel.stream_error(STREAM[version], params, version=version))["code"] == -32004
 
 
-async def test_a_stream_with_bad_params_is_an_error_not_a_stream(keel: Served) -> None:
-    assert (await keel.error("SendStreamingMessage", {"message": {"role": "ROLE_USER"}}))["code"] == -32602
+@BOTH
+async def test_a_stream_with_bad_params_is_an_error_not_a_stream(keel: Served, version: str | None) -> None:
+    role = "ROLE_USER" if version == V1 else "user"
+    assert (await keel.stream_error(STREAM[version], {"message": {"role": role}}, version=version))["code"] == -32602
 
 
 async def test_disconnecting_a_stream_leaves_the_task_running(keel: Served) -> None:
