@@ -154,6 +154,8 @@ class Runner:
     _drained: bool = attrs.field(init=False, default=False)
     _abandoned: bool = attrs.field(init=False, default=False)  # see abandon()
     _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _drain: trio.CancelScope | None = attrs.field(init=False, default=None)  # the drain's wait, once begun
+    _hurried: bool = attrs.field(init=False, default=False)  # see hurry()
 
     async def run(self, *, task_status: trio.TaskStatus[Runner] = trio.TASK_STATUS_IGNORED) -> None:
         """Deal with what a dead process left, serve until ``stop()``, then drain.
@@ -169,15 +171,20 @@ class Runner:
                 task_status.started(self)
                 await self._stopping.wait()
                 try:
-                    with trio.move_on_after(self.config.drain_timeout_s):
+                    with trio.move_on_after(self.config.drain_timeout_s) as self._drain:
+                        if self._hurried:
+                            self._drain.cancel()
                         while self._live or self._sending.count:
                             await (self._idle.wait() if self._live else self._sending.wait_none())
-                except trio.Cancelled:  # the drain cut short (a second signal)
+                except trio.Cancelled:  # the runner itself cancelled (a third signal)
                     if not self._abandoned:
                         self._say_cut("are canceled at once, the drain cut short")
                     raise
                 self._drained = True
-                self._say_cut(f"did not finish within {self.config.drain_timeout_s:g} s and are canceled")
+                if self._hurried:
+                    self._say_cut("are canceled at once, the drain cut short")
+                else:
+                    self._say_cut(f"did not finish within {self.config.drain_timeout_s:g} s and are canceled")
                 for live in list(self._live.values()):
                     live.scope.cancel()
                 # Bounded: a send's task write that has not landed by then is left SUBMITTED, for
@@ -200,6 +207,14 @@ class Runner:
     def stop(self) -> None:
         """Refuse new work and start draining (see ``run``)."""
         self._stopping.set()
+
+    def hurry(self) -> None:
+        """Stop, and end the drain now (a second signal): the runs still going are cancelled at
+        once, each still writing its end, so that the clients waiting on them are answered."""
+        self._hurried = True
+        self._stopping.set()
+        if self._drain is not None:
+            self._drain.cancel()
 
     def abandon(self) -> None:
         """Stop at once, and leave every task as it stands on disk for the next process to take

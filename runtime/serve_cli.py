@@ -24,7 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="serve the agent over A2A until SIGTERM or SIGINT",
         description="Serve the agent over A2A (JSON-RPC, protocol 1.0 and 0.3). Each flag overrides its "
         "environment variable. SIGTERM or SIGINT: stop accepting, let runs finish for the drain "
-        "timeout, cancel the rest, exit 0.",
+        "timeout, cancel the rest, exit 0; a second signal cancels the runs at once (their clients "
+        "still answered), a third stops at once.",
     )
     _add_setting_flags(serve)
     serve.set_defaults(func=_serve, parser=serve)
@@ -116,13 +117,13 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 async def _main(config: Config, **options: Any) -> None:
     from runtime.server import serve  # imported here: `check` must work without the server's imports
 
-    shutdown = trio.Event()
+    shutdown, hurry = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
+        nursery.start_soon(_watch_signals, shutdown, hurry, nursery.cancel_scope)
 
         async def server(*, task_status: trio.TaskStatus[Any]) -> None:
             try:
-                await serve(config, shutdown, task_status=task_status, **options)
+                await serve(config, shutdown, hurry=hurry, task_status=task_status, **options)
             finally:
                 nursery.cancel_scope.cancel()  # the signal watcher is all that is left
 
@@ -146,11 +147,17 @@ def _tune_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
-async def _watch_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
-    """The first SIGTERM or SIGINT starts a graceful shutdown; a second one stops at once."""
+async def _watch_signals(shutdown: trio.Event, hurry: trio.Event, scope: trio.CancelScope) -> None:
+    """The first SIGTERM or SIGINT starts a graceful shutdown; a second one cancels the runs at
+    once (their clients are still answered); a third stops at once."""
+    log = logging.getLogger(__name__)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
-            if shutdown.is_set():
-                logging.getLogger(__name__).warning("second %s: stopping now", signal.Signals(signum).name)
+            name = signal.Signals(signum).name
+            if hurry.is_set():
+                log.warning("third %s: stopping now", name)
                 scope.cancel()
+            elif shutdown.is_set():
+                log.warning("second %s: canceling the runs now; a third stops at once", name)
+                hurry.set()
             shutdown.set()

@@ -14,9 +14,11 @@
 
 Shutdown (``shutdown`` set, e.g. by SIGTERM): refuse new tasks and answer /healthz unready, give
 runs ``drain_timeout_s`` to finish, cancel the rest (each writes its terminal state), then close
-HTTP and the stores. Cancelled instead (the CLI's answer to a second signal), the runs are cut
-short at once and still write their terminal states: the stores' writers are shielded from the
-cancellation and close only after the runner has stopped, each wait bounded.
+HTTP and the stores. ``hurry`` set (the CLI's answer to a second signal) ends the drain at once:
+the runs left are cancelled, and the clients waiting on them answered, before HTTP closes.
+Cancelled instead (a third signal), the runs are cut short at once and still write their
+terminal states: the stores' writers are shielded from the cancellation and close only after
+the runner has stopped, each wait bounded.
 """
 
 from __future__ import annotations
@@ -76,11 +78,13 @@ async def serve(
     config: Config,
     shutdown: trio.Event,
     *,
+    hurry: trio.Event | None = None,
     agent: AgentSpec | None = None,
     model: InProcessModel | None = None,
     task_status: trio.TaskStatus[Started] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run Keel until ``shutdown`` is set, then drain and return.
+    """Run Keel until ``shutdown`` is set, then drain and return; ``hurry``, set during the
+    drain, ends it at once (the runs left are cancelled, and their clients answered).
 
     The model is the OpenAI-compatible server ``config`` names, unless ``model`` is given: an
     in-process model (the benchmarks' zero-latency one) that also answers the readiness probe.
@@ -100,7 +104,7 @@ async def serve(
             await trio.to_thread.run_sync(http_config.take_address)  # a host name may be looked up
             try:
                 async with trio.open_nursery() as nursery:
-                    await _serve_in(nursery, config, http_config, agent, model, shutdown, task_status)
+                    await _serve_in(nursery, config, http_config, agent, model, shutdown, hurry, task_status)
             finally:
                 http_config.release_address()
         finally:
@@ -120,6 +124,7 @@ async def _serve_in(
     agent: AgentSpec,
     in_process: InProcessModel | None,
     shutdown: trio.Event,
+    hurry: trio.Event | None,
     task_status: trio.TaskStatus[Started],
 ) -> None:
     state_dir = config.state_dir
@@ -142,7 +147,7 @@ async def _serve_in(
             )
             runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
             try:
-                await _serve_http(nursery, config, http_config, runner, catalog, shutdown, started, task_status)
+                await _serve_http(nursery, config, http_config, runner, catalog, shutdown, hurry, started, task_status)
             except BaseException:
                 if not started.is_set():  # what the runner took up is left as it was, for the next process
                     runner.abandon()
@@ -177,6 +182,7 @@ async def _serve_http(
     runner: Runner,
     catalog: ModelCatalog,
     shutdown: trio.Event,
+    hurry: trio.Event | None,
     started: trio.Event,
     task_status: trio.TaskStatus[Started],
 ) -> None:
@@ -195,7 +201,11 @@ async def _serve_http(
         await shutdown.wait()
         logger.info("shutting down: no new tasks; runs have %g s to finish", config.drain_timeout_s)
         runner.stop()
-        await runner.wait_stopped()
+        async with trio.open_nursery() as watching:  # this trigger's own, over when the drain is
+            if hurry is not None:
+                watching.start_soon(_hurry_when, hurry, runner)
+            await runner.wait_stopped()
+            watching.cancel_scope.cancel()
 
     async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
         try:
@@ -218,6 +228,11 @@ async def _serve_http(
     await http_done.wait()
     runner.stop()
     await runner.wait_stopped()
+
+
+async def _hurry_when(hurry: trio.Event, runner: Runner) -> None:
+    await hurry.wait()
+    runner.hurry()
 
 
 @asynccontextmanager

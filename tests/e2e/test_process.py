@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     rpc,
     run_serve_to_exit,
     stored_task,
+    stream,
     user_message,
     wait_stored_state,
 )
@@ -275,20 +276,33 @@ async def test_sigterm_stops_the_server_while_a_client_has_stopped_reading_its_s
             assert await keel.terminate() == 0  # within the harness's bound; it hung before
 
 
-async def test_a_second_sigterm_stops_at_once_and_the_cut_run_is_recorded_canceled(
+async def test_a_second_sigterm_cancels_the_runs_at_once_and_the_clients_waiting_get_their_answers(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
-    fake_model.script = [Reply(text="never done", hang_after_chunks=1)]
+    fake_model.script = [Reply(text="never done", hang_after_chunks=1)] * 3
     state = tmp_path / "state"
     async with (
         httpx.AsyncClient(timeout=30) as client,
         keel_process(state, fake_model.base_url, "--drain-timeout-s", "600") as keel,
+        trio.open_nursery() as nursery,
     ):
+        answers: dict[str, Any] = {}
+
+        async def blocking() -> None:
+            answers["blocking"] = await rpc(client, keel.url, "SendMessage", {"message": user_message("wait for me")})
+
+        async def streaming() -> None:
+            answers["stream"] = await stream(client, keel.url, "SendStreamingMessage", {"message": user_message("follow")})
+
+        nursery.start_soon(blocking)
+        nursery.start_soon(streaming)
         sent = await rpc(
             client, keel.url, "SendMessage", {"message": user_message("go"), "configuration": {"returnImmediately": True}}
         )
         task_id = sent["result"]["task"]["id"]
-        await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+        with trio.fail_after(10):
+            while len(fake_model.bodies) < 3:  # all three runs are answering, and hang there
+                await trio.sleep(0.01)
         keel.process.send_signal(signal.SIGTERM)
         with trio.fail_after(10):
             while b"shutting down" not in keel.output:  # the first signal has started the drain
@@ -296,11 +310,16 @@ async def test_a_second_sigterm_stops_at_once_and_the_cut_run_is_recorded_cancel
         start = trio.current_time()
         assert await keel.terminate() == 0  # the second: the drain's 600 s are not waited out
         assert trio.current_time() - start < 10
+    # The clients still connected were answered, as a drain that times out answers them.
+    assert answers["blocking"]["result"]["task"]["status"]["state"] == "TASK_STATE_CANCELED"
+    last = answers["stream"][-1]["result"]["statusUpdate"]["status"]
+    assert last["state"] == "TASK_STATE_CANCELED"
     stored = stored_task(state, task_id)
     assert stored is not None and stored[0] == "TASK_STATE_CANCELED"
     said = stored[1]["status"]["message"]["parts"][0]["text"]
     assert "the server shut down before it finished" in said  # not as a CancelTask's cancel says
-    assert f"shutting down: 1 task(s) are canceled at once, the drain cut short: {task_id}" in keel.output.decode()
+    assert "shutting down: 3 task(s) are canceled at once, the drain cut short: " in keel.output.decode()
+    assert task_id in keel.output.decode()
 
 
 async def test_a_restart_that_cannot_listen_leaves_the_task_a_dead_process_left_for_the_next_one(
