@@ -118,6 +118,19 @@ class DatabaseFailed(StoreError):
         super().__init__(f"{path}: the database failed ({type(exc).__name__}: {exc})")
 
 
+class DatabaseGone(DatabaseFailed):
+    """The file was removed or replaced under an open connection: SQLite would go on writing to
+    the old one, which nothing reads again, so a write there would be acknowledged and lost."""
+
+    def __init__(self, path: object) -> None:
+        self.path = path
+        StoreError.__init__(
+            self,
+            f"{path}: the database file was removed or replaced while the server had it open, so no write is taken"
+            " (it would be lost); put the file back, or restart the server to use the file now there",
+        )
+
+
 class DatabaseBusy(DatabaseFailed):
     """Opening, another program held the database past the busy timeout: nothing is wrong with
     the file, and it can be used once that program lets go."""

@@ -21,7 +21,7 @@ import attrs
 import outcome
 import trio
 
-from persistence.errors import DatabaseBusy, DatabaseFailed, SchemaError, StoreClosed, StoreError
+from persistence.errors import DatabaseBusy, DatabaseFailed, DatabaseGone, SchemaError, StoreClosed, StoreError
 from persistence.schema import KNOWN_SCHEMAS, SchemaIdentity, read_identity, write_identity_txn
 
 T = TypeVar("T")
@@ -270,6 +270,7 @@ class SqlitePool:
 
     path: Path
     _conn: sqlite3.Connection = attrs.field(alias="conn")
+    _file: tuple[int, int] | None = attrs.field(default=None, alias="file")  # (device, inode) opened
     _jobs: queue.SimpleQueue[_Job] = attrs.field(init=False, factory=queue.SimpleQueue)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
@@ -279,7 +280,7 @@ class SqlitePool:
         """Open (creating if needed) and migrate. Raises SchemaError naming the file and the fix
         (DatabaseBusy or DatabaseFailed when the file cannot be used for now)."""
 
-        def open_sync() -> sqlite3.Connection:
+        def open_sync() -> SqlitePool:
             inspect(path, schema)  # refuse before anything (even the switch to WAL) touches the file
             try:
                 conn = connect(path, synchronous=synchronous)
@@ -287,12 +288,23 @@ class SqlitePool:
                 raise DatabaseFailed(path, exc) from exc
             try:
                 migrate(path, conn, schema)
+                opened = os.stat(path)
             except BaseException:
                 conn.close()
                 raise
-            return conn
+            return cls(path=path, conn=conn, file=(opened.st_dev, opened.st_ino))
 
-        return cls(path=path, conn=await trio.to_thread.run_sync(open_sync))
+        return await trio.to_thread.run_sync(open_sync)
+
+    def check_file(self) -> None:
+        """Raise DatabaseGone if the file opened is no longer at its path (removed, or replaced:
+        a state directory deleted under the server, say). In the pool's thread: a stat."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            raise DatabaseGone(self.path) from None
+        if self._file is not None and (now.st_dev, now.st_ino) != self._file:
+            raise DatabaseGone(self.path)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(conn, *args)`` in the pool's thread and return what it returns.

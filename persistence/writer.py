@@ -153,6 +153,7 @@ class GroupCommitWriter:
             batch = self._queue.popleft() if self._queue else None
         if batch is not None:
             try:
+                self.pool.check_file()  # a stat: a write to a file deleted under the server is lost
                 _commit_batch(conn, batch.items, self.hooks)
             except sqlite3.Error as exc:  # named for the file, as the pool names its own calls' errors
                 failure = DatabaseFailed(self.pool.path, exc)

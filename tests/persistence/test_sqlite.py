@@ -377,6 +377,20 @@ async def test_a_bound_on_closing_a_pool_holds_while_a_call_is_stalled_and_the_t
         assert conn.execute("SELECT app_name FROM app_states").fetchall() == [("stalled",)]
 
 
+async def test_a_database_file_removed_under_its_store_takes_no_writes_until_it_is_put_back(tmp_path: Path) -> None:
+    from persistence.errors import DatabaseGone
+
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        await store.append("s", ['{"n":1}'])
+        path.rename(tmp_path / "moved.db")  # as a state directory deleted or replaced under the server
+        with pytest.raises(DatabaseGone, match=r"runtime\.db: the database file was removed or replaced"):
+            await store.append("s", ['{"n":2}'])
+        (tmp_path / "moved.db").rename(path)
+        await store.append("s", ['{"n":3}'])
+        assert [event.content for event in await store.events("s")] == ['{"n":1}', '{"n":3}']
+
+
 async def test_a_closed_pool_refuses_calls_and_fails_those_queued_behind_the_close(tmp_path: Path) -> None:
     from persistence.errors import StoreClosed
 

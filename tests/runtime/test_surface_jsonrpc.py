@@ -7,6 +7,7 @@ import base64
 import gzip
 import json
 import logging
+import shutil
 import sqlite3
 from contextlib import closing
 from datetime import datetime, timedelta
@@ -1109,3 +1110,18 @@ async def test_a_stored_task_that_cannot_be_read_is_named_to_the_client_and_logg
         assert "python -m runtime state restore" in record.getMessage()
         assert record.exc_info is None
     assert (await keel.result("GetTask", {"id": kept["id"]}))["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
+async def test_a_state_directory_deleted_under_the_server_acknowledges_nothing_more(
+    keel: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    keel.model.script = [Reply(text="Stored."), Reply(text="Lost.")]
+    await keel.send("Before")
+    shutil.rmtree(keel.state_dir)  # SQLite would go on writing to the deleted files
+    with caplog.at_level(logging.ERROR, logger="runtime.surface"):
+        error = await keel.error("SendMessage", send_params("After", V1))
+    check_error(error, -32603, V1, "INTERNAL_ERROR")
+    assert error["message"].startswith("the server's storage failed while handling 'SendMessage'")
+    [logged] = caplog.records
+    assert "tasks.db: the database file was removed or replaced while the server had it open" in logged.getMessage()
+    assert len(keel.model.bodies) == 1  # nothing ran for it
