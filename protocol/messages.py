@@ -32,13 +32,12 @@ class Role(enum.Enum):
             if role.wire_name(version) == name:
                 return role
         choices = " or ".join(repr(role.wire_name(version)) for role in cls)
-        other = ProtocolVersion.V0_3 if version is ProtocolVersion.V1_0 else ProtocolVersion.V1_0
+        other = version.other
         if any(role.wire_name(other) == name for role in cls):  # the right role in the other version's spelling
-            header = "with the header A2A-Version: 1.0" if other is ProtocolVersion.V1_0 else "without an A2A-Version header"
             raise InvalidParams(
                 field,
                 problem=f"must be {choices} in A2A {version.value}, got {name!r}, the A2A {other.value} spelling; "
-                f"an A2A {other.value} client sends its requests {header}",
+                f"an A2A {other.value} client sends its requests {other.how_sent}",
             )
         raise InvalidParams(field, choices, got=name)
 

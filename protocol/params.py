@@ -38,6 +38,17 @@ class SendConfiguration:
 
     @classmethod
     def from_json(cls, reader: JsonReader, version: ProtocolVersion) -> SendConfiguration:
+        # The other version's way to be answered at once, read as the default, would block a
+        # client that asked not to be: refused, saying this version's.
+        mine, theirs = ('"returnImmediately": true', "blocking") if version is V1 else ('"blocking": false', "returnImmediately")
+        if reader.has(theirs):
+            other = version.other
+            raise InvalidParams(
+                reader.at(theirs),
+                problem=f"is the A2A {other.value} spelling, which an A2A {version.value} request does not read; in"
+                f" {version.value}, send {mine} to be answered at once (an A2A {other.value} client sends its requests"
+                f" {other.how_sent})",
+            )
         if version is V1:
             return_immediately = reader.flag("returnImmediately")
             push = reader.opt_object("taskPushNotificationConfig")

@@ -26,6 +26,15 @@ class ProtocolVersion(enum.Enum):
     def is_legacy(self) -> bool:
         return self is ProtocolVersion.V0_3
 
+    @property
+    def other(self) -> ProtocolVersion:
+        return ProtocolVersion.V1_0 if self.is_legacy else ProtocolVersion.V0_3
+
+    @property
+    def how_sent(self) -> str:
+        """How a client of this version sends its requests, in words that follow "sends them"."""
+        return "without an A2A-Version header" if self.is_legacy else f"with the header A2A-Version: {self.value}"
+
 
 def requested_version(header: str | None) -> str:
     """The Major.Minor a client asked for, or the header text itself when it has no such shape.

@@ -59,6 +59,31 @@ def test_send_params_return_immediately_is_1_0_for_0_3_blocking_false() -> None:
     assert v03.to_json(V1)["configuration"] == {"returnImmediately": True}
 
 
+@pytest.mark.parametrize(
+    ("version", "role", "configuration", "words"),
+    [
+        (V1, "ROLE_USER", {"blocking": False}, (
+            "invalid params: 'configuration.blocking' is the A2A 0.3 spelling, which an A2A 1.0 request does not read;"
+            ' in 1.0, send "returnImmediately": true to be answered at once (an A2A 0.3 client sends its requests'
+            " without an A2A-Version header)"
+        )),
+        (V03, "user", {"returnImmediately": True}, (
+            "invalid params: 'configuration.returnImmediately' is the A2A 1.0 spelling, which an A2A 0.3 request does"
+            ' not read; in 0.3, send "blocking": false to be answered at once (an A2A 1.0 client sends its requests'
+            " with the header A2A-Version: 1.0)"
+        )),
+    ],
+    ids=["blocking-in-1.0", "returnImmediately-in-0.3"],
+)
+def test_send_params_refuse_the_other_versions_way_to_be_answered_at_once(
+    version: ProtocolVersion, role: str, configuration: dict[str, Any], words: str
+) -> None:
+    # Read as the default, it would block a client that asked to be answered at once.
+    part = {"text": "x"} if version is V1 else {"kind": "text", "text": "x"}
+    params = {"message": {"messageId": "m", "role": role, "parts": [part]}, "configuration": configuration}
+    assert complaint(SendMessageParams, params, version) == words
+
+
 def test_send_params_keep_history_length_output_modes_and_push_config() -> None:
     configuration = {
         "acceptedOutputModes": ["text/plain"],
