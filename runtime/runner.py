@@ -260,17 +260,27 @@ class Runner:
             id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
             history=(message,), metadata=params.metadata,
         )  # fmt: skip
+        taken_by = None
         with self._sending.one():
-            try:
-                record = await self.tasks.create(
-                    owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
-                    task_json=encode(task), message_id=message.message_id, updated_at_ms=status_ms(task),
-                )  # fmt: skip
-            except store_errors.MessageTaken as taken:
-                return await self._sent_before(owner, params.message, taken.task_id)
-            started = self._start(self._live_task(owner, task, record.version))
-            if started and context_id != params.message.context_id:  # minted here (read when the run begins)
-                self._fresh[context_id] = task_id
+            # Shielded, with a bound: a client that disconnects cancels this request, but the
+            # write it queued lands all the same (a queued write is not withdrawn), and a task
+            # stored SUBMITTED must have its run.
+            with trio.move_on_after(self.config.cleanup_timeout_s, shield=True) as bound:
+                try:
+                    record = await self.tasks.create(
+                        owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
+                        task_json=encode(task), message_id=message.message_id, updated_at_ms=status_ms(task),
+                    )  # fmt: skip
+                except store_errors.MessageTaken as taken:
+                    taken_by = taken.task_id
+                else:
+                    started = self._start(self._live_task(owner, task, record.version))
+                    if started and context_id != params.message.context_id:  # minted here (read when the run begins)
+                        self._fresh[context_id] = task_id
+            if bound.cancelled_caught:  # it may land yet: then the next process to start runs it
+                raise TimeoutError(f"storing new task {task_id!r} took longer than {self.config.cleanup_timeout_s:g} s")
+        if taken_by is not None:
+            return await self._sent_before(owner, params.message, taken_by)
         return task
 
     async def _sent_before(self, owner: str, message: Message, task_id: str) -> Task:
@@ -532,7 +542,9 @@ class Runner:
 
     def _start(self, live: LiveTask) -> bool:
         """Start the task's run in the runner's nursery; False if the runner has stopped."""
-        if self._nursery is None:  # a send's task written after the runner stopped
+        # A send's write is bounded by less than the drain waits for it, so no task it writes
+        # should land once the runner has stopped; if one does, the next process runs it.
+        if self._nursery is None:
             logger.warning("task %s was taken as the server stopped; the next process to start runs it", live.task.id)
             return False
         self._live[live.task.id] = live

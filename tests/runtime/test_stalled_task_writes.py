@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import attrs
 import outcome
 import pytest
 import trio
+import trio.testing
 from fake_model import FakeModel, Reply
 
 from persistence.api import TaskRecord
@@ -195,3 +197,37 @@ async def test_a_steer_whose_write_outlives_its_bound_is_answered_as_a_storage_f
             settled = await keel.runner.wait_settled(ANONYMOUS, task["id"])
     assert settled.status.state is TaskState.COMPLETED
     assert steer["messageId"] in [m.message_id for m in settled.history]  # the write landed after all
+
+
+async def test_a_send_whose_client_leaves_while_its_task_is_written_still_runs_the_task(tmp_path: Path) -> None:
+    # Quart cancels a request's handler when its client disconnects; the task's write it was
+    # waiting for lands all the same (a queued write is not withdrawn), so its run must start.
+    entered, release = threading.Event(), threading.Event()
+
+    def busy_disk(_conn: sqlite3.Connection) -> None:
+        entered.set()
+        release.wait(DEADLINE_S)
+
+    async def leave_once_blocked(client: trio.CancelScope) -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        client.cancel()
+        release.set()  # and then the disk answers
+
+    async with open_task_store(tmp_path / "tasks.db") as tasks, trio.open_nursery() as nursery:
+        runner = Runner(MemorySessionStore(), tasks, ScriptedModel([Answer("Rolled back.")]), AgentSpec())
+        await nursery.start(runner.run)
+        nursery.start_soon(tasks.pool.run, busy_disk)
+        await trio.to_thread.run_sync(entered.wait, DEADLINE_S)
+        sent = ask("Roll back the deploy")
+        with trio.CancelScope() as client:
+            nursery.start_soon(leave_once_blocked, client)
+            await runner.send(ANONYMOUS, sent)
+            await trio.lowlevel.checkpoint()  # where the request, cancelled, ends
+        assert client.cancelled_caught
+        with trio.fail_after(DEADLINE_S):
+            while (task_id := await tasks.started_by(ANONYMOUS, sent.message.message_id)) is None:
+                await trio.sleep(0.01)
+            while (ended := decode(await tasks.get(ANONYMOUS, task_id))).status.state is not TaskState.COMPLETED:
+                await trio.sleep(0.01)
+        assert ended.artifacts[0].parts[0].text == "Rolled back."  # type: ignore[union-attr]
+        runner.stop()
