@@ -286,11 +286,16 @@ class WriterBacked:
         return self._writer.batches
 
     async def aclose(self) -> None:
-        """Commit what is queued, stop the writer and close the file. Later calls raise StoreClosed."""
-        await self._writer.aclose()
-        with trio.move_on_after(10, shield=True):
+        """Commit what is queued, stop the writer and close the file. Later calls raise StoreClosed.
+
+        Its caller bounds it (and shields it, if it must run in a cancelled scope): a write
+        waiting on a stalled disk, or on another program's lock, would hold it past any bound
+        of its own. Cancelled, the file is still closed by the pool's thread once it gets there."""
+        try:
+            await self._writer.aclose()
             await self._writer.wait_stopped()
-        await self.pool.aclose()
+        finally:
+            await self.pool.aclose()
 
 
 @asynccontextmanager

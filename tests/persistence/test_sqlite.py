@@ -391,6 +391,30 @@ async def test_a_database_file_removed_under_its_store_takes_no_writes_until_it_
         assert [event.content for event in await store.events("s")] == ['{"n":1}', '{"n":3}']
 
 
+async def append_refused(store: SqliteSessionStore) -> None:
+    from persistence.errors import DatabaseFailed
+
+    with pytest.raises(DatabaseFailed, match="database is locked"):
+        await store.append("s", ['{"n":1}'])
+
+
+async def test_a_bound_on_closing_a_store_holds_while_another_program_holds_its_database(tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    store = await SqliteSessionStore.open(path)
+    with closing(sqlite3.connect(path, isolation_level=None)) as other:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            other.execute("BEGIN IMMEDIATE")  # another program's write transaction, held
+            nursery.start_soon(append_refused, store)  # waits on it (busy timeout)
+            await trio.testing.wait_all_tasks_blocked()
+            start = trio.current_time()
+            with trio.move_on_after(0.2, shield=True) as bound:  # as the server bounds each store's close
+                await store.aclose()
+            assert bound.cancelled_caught and trio.current_time() - start < 2, "aclose() waited past its bound"
+            other.execute("ROLLBACK")
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_closed_pool_refuses_calls_and_fails_those_queued_behind_the_close(tmp_path: Path) -> None:
     from persistence.errors import StoreClosed
 
