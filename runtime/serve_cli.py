@@ -117,9 +117,9 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 async def _main(config: Config, **options: Any) -> None:
     from runtime.server import serve  # imported here: `check` must work without the server's imports
 
-    shutdown, hurry = trio.Event(), trio.Event()
+    shutdown, hurry, serving = trio.Event(), trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, shutdown, hurry, nursery.cancel_scope)
+        nursery.start_soon(_watch_signals, shutdown, hurry, nursery.cancel_scope, serving)
 
         async def server(*, task_status: trio.TaskStatus[Any]) -> None:
             try:
@@ -128,6 +128,7 @@ async def _main(config: Config, **options: Any) -> None:
                 nursery.cancel_scope.cancel()  # the signal watcher is all that is left
 
         started = await nursery.start(server)
+        serving.set()
         _tune_collector()
         print(f"keel serving A2A at {started.url} (state in {config.state_dir})", flush=True)
 
@@ -147,14 +148,20 @@ def _tune_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
-async def _watch_signals(shutdown: trio.Event, hurry: trio.Event, scope: trio.CancelScope) -> None:
-    """The first SIGTERM or SIGINT starts a graceful shutdown; a second one cancels the runs at
-    once (their clients are still answered); a third stops at once."""
+async def _watch_signals(
+    shutdown: trio.Event, hurry: trio.Event, scope: trio.CancelScope, serving: trio.Event
+) -> None:
+    """Before the server serves, SIGTERM or SIGINT ends the start at once. Then the first starts
+    a graceful shutdown; a second cancels the runs at once (their clients are still answered);
+    a third stops at once."""
     log = logging.getLogger(__name__)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
-            if hurry.is_set():
+            if not serving.is_set():
+                log.warning("%s before the server was serving: not starting", name)
+                scope.cancel()
+            elif hurry.is_set():
                 log.warning("third %s: stopping now", name)
                 scope.cancel()
             elif shutdown.is_set():

@@ -94,7 +94,9 @@ async def serve(
     directory or the address cannot be used; the CLI turns those into a message and a non-zero exit.
     """
     agent = agent or default_agent(max_model_calls=config.max_model_calls)
-    held = await trio.to_thread.run_sync(hold_state_dir, config.state_dir)  # steps 1 and 2
+    # Steps 1 and 2. It may wait for a snapshot or a restore to finish; cancelled meanwhile (a
+    # signal), the start ends at once, and a lock the thread takes after is let go at exit.
+    held = await trio.to_thread.run_sync(hold_state_dir, config.state_dir, abandon_on_cancel=True)
     logger.info("state %s: %s", config.state_dir, held.outcome)
     try:
         serving = await trio.to_thread.run_sync(acquire_serving, config.state_dir)  # the only server

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,11 +19,13 @@ import trio
 
 from fake_model import Call, FakeModel, Reply
 from persistence.journal import JOURNAL_NAME
+from persistence.statedir import GENERATION_LOCK_NAME
 from tests.e2e.harness import (
     STARTUP_DEADLINE_S,
     child_env,
     keel_process,
     rpc,
+    serve_command,
     run_serve_to_exit,
     stored_task,
     stream,
@@ -477,3 +481,32 @@ async def test_a_model_that_times_out_fails_the_task_saying_whether_any_of_the_a
             assert await keel.terminate() == 0
     timed_out = "The task failed: model 'qwen3:4b-instruct' timed out: nothing arrived within 0.5s while waiting for"
     assert said == [f"{timed_out} the answer to start", f"{timed_out} the rest of the answer"]
+
+
+def blocked_on_a_lock(pid: int) -> bool:
+    """Whether process ``pid`` waits for a file lock (the kernel lists its waiters in /proc/locks)."""
+    return any(line.split()[1] == "->" and line.split()[5] == str(pid) for line in Path("/proc/locks").read_text().splitlines())
+
+
+async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # A snapshot or a restore holds the state directory's generation lock; serve waits its turn.
+    state = tmp_path / "state"
+    state.mkdir()
+    holder = os.open(state / GENERATION_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        process = await trio.lowlevel.open_process(
+            serve_command(state, fake_model.base_url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+        )
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            while not blocked_on_a_lock(process.pid):
+                await trio.sleep(0.01)
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+        assert process.stdout is not None
+        said = (await process.stdout.receive_some(65536)).decode()
+        assert "keel serving" not in said and "Traceback" not in said
+    finally:
+        os.close(holder)
