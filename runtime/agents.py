@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime, timezone
 from importlib import metadata
 from typing import Any
@@ -41,7 +42,10 @@ def default_agent(*, max_model_calls: int) -> AgentSpec:
     )
 
 
+@functools.cache
 def app_version() -> str:
+    """Keel's installed version, read from its package metadata on disk: once (the server reads
+    it in a thread as it starts), not for every agent card it serves."""
     try:
         return metadata.version("keel")
     except metadata.PackageNotFoundError:

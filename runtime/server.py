@@ -43,7 +43,7 @@ from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore
 from persistence.sqlite import inspect
 from persistence.tasks import TASKS_SCHEMA, SqliteTaskStore
 from runtime.agent import AgentSpec, Model
-from runtime.agents import agent_card, default_agent
+from runtime.agents import agent_card, app_version, default_agent
 from runtime.config import Config
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig
@@ -102,6 +102,7 @@ async def serve(
         serving = await trio.to_thread.run_sync(acquire_serving, config.state_dir)  # the only server
         try:
             await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
+            await trio.to_thread.run_sync(app_version)  # read from disk once, for the agent card
             http_config = _http_config(config)
             await trio.to_thread.run_sync(http_config.take_address)  # a host name may be looked up
             try:

@@ -10,13 +10,13 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 
 from persistence.recovery import RecoveryAction, recover
 from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
 from persistence.statedir import StateError, UnusableStateDir, is_db_name, try_state_dir
+from runtime.agents import app_version
 from runtime.config import BACKUP_ROOT_ENV, default_backup_root, os_error_text
 
 DEFAULT_STATE_DIR = ".state"
@@ -109,13 +109,6 @@ def _backup_root(args: argparse.Namespace, state_dir: Path) -> Path:
     return default_backup_root(state_dir)
 
 
-def _app_version() -> str:
-    try:
-        return metadata.version("keel")
-    except metadata.PackageNotFoundError:
-        return "unknown"  # running from a source tree that was never installed
-
-
 def _guarded(command: Command) -> Command:
     def run(args: argparse.Namespace) -> int:
         try:
@@ -133,7 +126,7 @@ def _guarded(command: Command) -> Command:
 def _snapshot(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args)
     target = create_snapshot(
-        state_dir, _backup_root(args, state_dir), keep=args.keep, app_version=_app_version(), stamp=args.timestamp
+        state_dir, _backup_root(args, state_dir), keep=args.keep, app_version=app_version(), stamp=args.timestamp
     )
     print(target)
     return 0

@@ -59,3 +59,21 @@ def test_an_unknown_flag_is_refused_with_the_usage_of_the_command_it_was_given_t
     assert result.returncode == 2
     assert result.stderr.startswith(f"usage: {usage} ")
     assert result.stderr.rstrip().endswith(f"{usage}: error: unrecognized arguments: --bogus")
+
+
+def test_the_agent_card_reads_the_installed_version_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read from the package's metadata on disk: once (in a thread, as the server starts), never
+    # on the event loop for each card request.
+    from runtime import agents
+
+    real, read = agents.metadata.version, []
+
+    def version(name: str) -> str:
+        read.append(name)
+        return real(name)
+
+    monkeypatch.setattr(agents.metadata, "version", version)
+    agents.app_version.cache_clear()
+    cards = [agents.agent_card("http://127.0.0.1:8080/") for _ in range(3)]
+    assert {card.version for card in cards} == {real("keel")}
+    assert read == ["keel"]
