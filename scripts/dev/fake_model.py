@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     fake = FakeModel(default=Reply(text=args.reply, gap_s=args.gap_s), models=tuple(args.model or [DEFAULT_MODEL]), api_key=args.api_key)
     try:
         trio.run(_serve_forever, fake, args.host, args.port)
-    except KeyboardInterrupt:
+    except* KeyboardInterrupt:  # raised inside the server's nursery, so it comes in a group
         pass  # Ctrl-C is how a demo server is meant to stop
 
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import httpx
+import trio
 
 from fake_model import FakeModel
-from tests.e2e.harness import started_keel
+from tests.e2e.harness import STARTUP_DEADLINE_S, started_keel
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
@@ -34,3 +37,18 @@ async def test_scripts_serve_keeps_a_relative_state_dir_in_the_directory_it_is_c
         assert sorted(path.name for path in (mine / name).glob("*.db")) == ["runtime.db", "tasks.db"]
     finally:
         shutil.rmtree(ROOT / name, ignore_errors=True)  # where a script that moved to the repository put it
+
+
+async def test_the_fake_model_server_stops_quietly_at_ctrl_c() -> None:
+    command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0"]
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    said = b""
+    assert process.stdout is not None
+    with trio.fail_after(STARTUP_DEADLINE_S):
+        while b"serving http://" not in said:
+            said += await process.stdout.receive_some(65536)
+        process.send_signal(signal.SIGINT)
+        assert await process.wait() == 0
+        async for chunk in process.stdout:
+            said += chunk
+    assert b"Traceback" not in said, said.decode()
