@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -214,6 +215,13 @@ class _Failure:
     retry_after_s: float | None = None
 
 
+# A base URL given without the API version its server serves under (Ollama's, vLLM's and
+# llama.cpp's is /v1): the most common reason for a 404.
+_VERSIONED = re.compile(r"/v\d+[a-z0-9]*/?$")
+_NO_VERSION_HINT = (
+    "; the base URL's path does not end in an API version such as /v1, which OpenAI-compatible servers serve under"
+)
+
 @attrs.define(eq=False)
 class ModelClient:
     """Chat completions, streamed or not, and the server's model catalog.
@@ -360,7 +368,8 @@ class ModelClient:
             error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
             return _Failure(error, retry=True, retry_after_s=retry_after_s)
         if status >= 400:
-            error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=self._credentials_sent())
+            hint = _NO_VERSION_HINT if status == 404 and not _VERSIONED.search(urlsplit(self.config.base_url).path) else ""
+            error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=self._credentials_sent(), hint=hint)
             return _Failure(error, retry=False)
         error = ModelBadResponse(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
         return _Failure(error, retry=False)

@@ -82,13 +82,15 @@ _WHO_ASKS = {
 
 
 class ModelRejected(ModelError):
-    def __init__(self, model: str, status: int, *, detail: str = "", attempts: int = 1, sent: str | None = "the API key") -> None:
+    def __init__(
+        self, model: str, status: int, *, detail: str = "", attempts: int = 1, sent: str | None = "the API key", hint: str = ""
+    ) -> None:
         """``sent``: what the request carried to say who asks (the API key, or the base URL's
-        credentials), or None when it carried nothing."""
+        credentials), or None when it carried nothing. ``hint``: what may be wrong, to follow."""
         meaning = _REJECTIONS.get(status, "the server refused the request")
         if status in (401, 403) and sent != "the API key":
             meaning = _WHO_ASKS[status, sent]
-        reason = f"{meaning} (HTTP {status})"
+        reason = f"{meaning} (HTTP {status}){hint}"
         super().__init__(model, "rejected the request", reason, detail=detail, status=status, attempts=attempts)
 
 

@@ -330,6 +330,23 @@ async def test_model_missing_from_the_server_is_rejected_as_not_found(fake_model
     assert raised.value.reason == "the model or the endpoint does not exist on the server (HTTP 404)"
 
 
+async def test_a_base_url_without_v1_is_hinted_at_when_the_server_has_no_such_endpoint(fake_model: FakeModel) -> None:
+    # The most common slip: the server's address given without the /v1 its API is served under.
+    bare = fake_model.base_url.removesuffix("/v1")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(attrs.evolve(config_for(fake_model), base_url=bare)) as client:
+            with pytest.raises(ModelRejected) as raised:
+                await client.complete(ASK)
+            with pytest.raises(ModelRejected) as listed:
+                await client.list_models()
+    for error in (raised.value, listed.value):
+        assert error.reason == (
+            "the model or the endpoint does not exist on the server (HTTP 404); the base URL's path does not end in"
+            " an API version such as /v1, which OpenAI-compatible servers serve under"
+        )
+        assert bare not in str(error)
+
+
 async def test_rate_limit_asking_for_a_longer_wait_than_the_backoff_cap_is_not_waited_for(fake_model: FakeModel) -> None:
     fake_model.default = ErrorReply(429, retry_after="3600")
     with trio.fail_after(DEADLINE_S):
