@@ -349,17 +349,22 @@ class ModelClient:
             return _Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)
         return _Failure(ModelUnavailable(model, "the request could not be sent", detail=detail, attempts=attempt), retry=False)
 
-    async def _failure_status(self, response: httpx.Response, attempt: int) -> _Failure:
-        model, status = self.config.model, response.status_code
-        body = f"(the error body did not end within {self.config.read_timeout_s:g} s)".encode()
-        try:  # only the start of the body is kept: only that much is read, and that not forever
+    async def _body_start(self, response: httpx.Response) -> str:
+        """For the logs: the start of a body that is not an answer (an error's, a web page's),
+        scrubbed; only that much is read, and that not forever. The response is closed after."""
+        body = f"(the body did not end within {self.config.read_timeout_s:g} s)".encode()
+        try:
             with trio.move_on_after(self.config.read_timeout_s):
                 body = await _read_at_most(response, 4 * _DETAIL_CHARS)
         except httpx.RequestError as exc:
-            body = f"(the error body could not be read: {type(exc).__name__})".encode()
+            body = f"(the body could not be read: {type(exc).__name__})".encode()
         finally:
             await response.aclose()
-        detail = self._scrub(f"HTTP {status}: {body[:_DETAIL_CHARS].decode('utf-8', 'replace')}")
+        return self._scrub(f"HTTP {response.status_code}: {body[:_DETAIL_CHARS].decode('utf-8', 'replace')}")
+
+    async def _failure_status(self, response: httpx.Response, attempt: int) -> _Failure:
+        model, status = self.config.model, response.status_code
+        detail = await self._body_start(response)
         retry_after_s = _retry_after_s(response.headers.get("retry-after"))
         if status == 429:
             error: ModelError = ModelRateLimited(model, retry_after_s=retry_after_s, detail=detail, attempts=attempt)
@@ -516,7 +521,12 @@ class ChatStream:
         self._entered = True
         body = request_body(self._request, model=self._client.config.model, stream=True)
         self._response = await self._client._open("POST", "chat/completions", body, accept="text/event-stream")
-        if self._response.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+        media = self._response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media == "text/html":  # a proxy's error page, say: not a stream that ended early
+            detail = await self._client._body_start(self._response)
+            reason = "the server answered with a web page (text/html), not an event stream or JSON"
+            raise ModelBadResponse(self._client.config.model, reason, detail=detail, status=self._response.status_code)
+        if media == "application/json":
             # A server (or a proxy in front of it) that does not stream answers in one body.
             data = await self._client._read_json(self._response)
             try:

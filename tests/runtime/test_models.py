@@ -961,3 +961,17 @@ def test_usage_sent_with_every_chunk_is_counted_once_as_it_stands_at_the_end() -
     deltas = [d for line in sse(*events) for d in assembler.feed_line(line)]
     assert [d for d in deltas if isinstance(d, Usage)] == [Usage(10, 3, 13)]
     assert assembler.completion().usage == Usage(10, 3, 13)
+
+
+async def test_a_web_page_in_place_of_an_answer_is_named_as_such(nursery: trio.Nursery) -> None:
+    # A proxy's error page, answered 200: not a stream that ended early.
+    page = b"<html><body>proxy error: upstream says no</body></html>"
+    url = await serve_then_close(
+        nursery, b"HTTP/1.1 200 OK\r\ncontent-type: text/html; charset=utf-8\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page)
+    )
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0)) as client:
+            with pytest.raises(ModelBadResponse) as raised:
+                await read_stream(client)
+    assert raised.value.reason == "the server answered with a web page (text/html), not an event stream or JSON"
+    assert "upstream says no" in raised.value.detail and "upstream" not in str(raised.value)
