@@ -80,7 +80,7 @@ def _positive_float(text: str) -> float:
     except ValueError:
         value = 0.0
     if not 0 < value < float("inf"):
-        raise ValueError("it must be a number of seconds greater than 0")
+        raise ValueError("it must be a finite number of seconds greater than 0")
     return value
 
 

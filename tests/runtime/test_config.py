@@ -51,6 +51,13 @@ def test_config_reports_every_problem_at_once_and_hides_secrets() -> None:
     assert "AGENT_MODEL_API_KEY=(hidden)" in text
 
 
+@pytest.mark.parametrize("given", ["inf", "nan", "-1", "0", "soon"])
+def test_a_timeout_must_be_a_finite_number_of_seconds_and_says_so(given: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_SEND_TIMEOUT_S": given})
+    assert f"AGENT_SEND_TIMEOUT_S={given!r} is not valid: it must be a finite number of seconds greater than 0" in str(caught.value)
+
+
 def test_config_never_prints_the_api_key() -> None:
     config = Config.load({"AGENT_MODEL_API_KEY": "sk-very-secret"})
     assert config.model_api_key == "sk-very-secret"
