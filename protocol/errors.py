@@ -81,9 +81,10 @@ class InvalidRequest(ProtocolError):
 
 
 class MethodNotFound(ProtocolError):
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, hint: str = "") -> None:
+        """``hint``: what to send instead, to follow a semicolon."""
         self.method = method
-        super().__init__(f"method {quoted(method)} not found")
+        super().__init__(f"method {quoted(method)} not found" + (f"; {hint}" if hint else ""))
 
 
 @attrs.frozen

@@ -8,6 +8,8 @@ VersionNotSupported (-32009), as the reference server does
 
 from __future__ import annotations
 
+import difflib
+
 import enum
 from collections.abc import Mapping
 
@@ -99,7 +101,7 @@ def route(method: str, version_header: str | None) -> Route:
         return Route(method, version, operation)
     owner = method_version(method)
     if owner is None:
-        raise MethodNotFound(method)
+        raise MethodNotFound(method, _instead(method, version))
     raise VersionNotSupported(requested_version(version_header), method=method, expected=owner.value)
 
 
@@ -117,3 +119,15 @@ def response_version(method: str | None, version_header: str | None) -> Protocol
         return parse_version_header(version_header)
     except VersionNotSupported:
         return ProtocolVersion.V1_0
+
+
+def _instead(method: str, version: ProtocolVersion) -> str:
+    """The method a client misspelt, or else every method of the version it speaks."""
+    known = list(METHODS[version])
+    close = difflib.get_close_matches(method, known, n=1, cutoff=0.8) if len(method) <= 100 else []
+    if close:
+        return f"did you mean {close[0]!r}?"
+    listed = f"A2A {version.value} has {', '.join(known[:-1])} and {known[-1]}"
+    if version.is_legacy and method == "tasks/list":
+        listed += " (listing tasks is A2A 1.0's ListTasks)"
+    return listed

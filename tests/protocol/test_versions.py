@@ -82,8 +82,20 @@ def test_route_unknown_method_is_method_not_found() -> None:
 
 def test_route_0_3_has_no_tasks_list() -> None:
     """wire/v03_tasks_list: tasks/list is -32601 in 0.3."""
-    with pytest.raises(MethodNotFound):
+    with pytest.raises(MethodNotFound) as caught:
         route("tasks/list", None)
+    assert str(caught.value) == (
+        "method 'tasks/list' not found; A2A 0.3 has message/send, message/stream, tasks/get, tasks/cancel,"
+        " tasks/resubscribe, tasks/pushNotificationConfig/set, tasks/pushNotificationConfig/get,"
+        " tasks/pushNotificationConfig/list, tasks/pushNotificationConfig/delete and"
+        " agent/getAuthenticatedExtendedCard (listing tasks is A2A 1.0's ListTasks)"
+    )
+
+
+def test_a_misspelt_method_is_not_found_and_the_one_meant_is_named() -> None:
+    with pytest.raises(MethodNotFound) as caught:
+        route("SendMesage", "1.0")
+    assert str(caught.value) == "method 'SendMesage' not found; did you mean 'SendMessage'?"
 
 
 def test_methods_tables_cover_every_operation_once_per_version() -> None:
