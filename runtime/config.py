@@ -19,6 +19,9 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from persistence.errors import StoreError
+from persistence.sessions import SESSIONS_SCHEMA
+from persistence.sqlite import inspect
 from persistence.statedir import (
     UnusableStateDir,
     cannot_create,
@@ -28,6 +31,7 @@ from persistence.statedir import (
     try_state_dir,
     write_refused,
 )
+from persistence.tasks import TASKS_SCHEMA
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
 from runtime.models.client import MISPLACED_AT, misplaced_at
 
@@ -131,12 +135,26 @@ def _writable_dir(path: Path) -> Path:
     return path
 
 
+SESSIONS_FILE = "runtime.db"
+TASKS_FILE = "tasks.db"
+
+
+def preflight(state_dir: Path) -> None:
+    """Refuse databases this build cannot use, reading only. Blocking: run it in a thread."""
+    inspect(state_dir / SESSIONS_FILE, SESSIONS_SCHEMA)
+    inspect(state_dir / TASKS_FILE, TASKS_SCHEMA)
+
+
 def _can_make_state_dir(path: Path) -> None:
-    """What serve will do, tried, leaving nothing behind (persistence.statedir.try_state_dir)."""
+    """What serve will do, tried, leaving nothing behind (persistence.statedir.try_state_dir),
+    and its databases read as serve's preflight reads them."""
     try:
         try_state_dir(path)
+        preflight(path)
     except UnusableStateDir as exc:
         raise ValueError(exc.why) from None
+    except StoreError as exc:  # a database this build cannot use (SchemaError), or cannot read now
+        raise ValueError(str(exc)) from None
 
 
 def os_error_text(exc: OSError) -> str:

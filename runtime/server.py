@@ -39,12 +39,11 @@ from hypercorn.config import Sockets
 
 from persistence.recovery import hold_state_dir
 from persistence.statedir import acquire_serving, release_use
-from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore
-from persistence.sqlite import inspect
-from persistence.tasks import TASKS_SCHEMA, SqliteTaskStore
+from persistence.sessions import SqliteSessionStore
+from persistence.tasks import SqliteTaskStore
 from runtime.agent import AgentSpec, Model
 from runtime.agents import agent_card, app_version, default_agent
-from runtime.config import Config
+from runtime.config import SESSIONS_FILE, TASKS_FILE, Config, preflight
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig
 from runtime.surface import Health, Readiness, SurfaceConfig, create_app
@@ -52,8 +51,6 @@ from runtime.surface.health import ModelCatalog
 
 logger = logging.getLogger(__name__)
 
-SESSIONS_FILE = "runtime.db"
-TASKS_FILE = "tasks.db"
 HTTP_GRACE_S = 2.0
 
 
@@ -66,12 +63,6 @@ class Started:
     @property
     def url(self) -> str:
         return self.binds[0] + "/"
-
-
-def preflight(state_dir: Path) -> None:
-    """Refuse databases this build cannot use, reading only. Blocking: run it in a thread."""
-    inspect(state_dir / SESSIONS_FILE, SESSIONS_SCHEMA)
-    inspect(state_dir / TASKS_FILE, TASKS_SCHEMA)
 
 
 async def serve(

@@ -9,6 +9,7 @@ import pytest
 
 from persistence.recovery import hold_state_dir
 from persistence.statedir import StateError
+from tests.persistence.state_helpers import TASKS, make_db
 from tests.runtime.test_config import run_cli
 
 
@@ -46,3 +47,28 @@ def test_check_that_cannot_remove_its_probe_says_so_rather_than_that_nothing_can
     assert "Traceback" not in result.stderr and "no file can be made in it" not in result.stderr, result.stderr
     assert left and all(name in result.stderr for name in left), (left, result.stderr)  # what it left is named
     assert "cannot be removed (the directory lets nothing be removed); remove it by hand" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "said"),
+    [
+        ("tasks.db", b"this is not a database" * 100, "tasks.db: cannot be read as a database"),
+        ("runtime.db", None, "is a keel.tasks database, not keel.sessions"),
+    ],
+    ids=["damaged", "another-kind"],
+)
+def test_check_reads_the_databases_as_serve_would_and_names_one_it_cannot_use(
+    tmp_path: Path, name: str, content: bytes | None, said: str
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    if content is None:  # tasks.db where runtime.db belongs: a copy made by hand into the wrong name
+        make_db(state / name, TASKS, "copied")
+    else:
+        (state / name).write_bytes(content)
+    before = sorted(path.name for path in state.iterdir())
+    checked = run_cli("check", env={"AGENT_STATE_DIR": str(state)})
+    assert checked.returncode == 1
+    assert f"AGENT_STATE_DIR='{state}' is not valid: " in checked.stderr and said in checked.stderr, checked.stderr
+    assert "Traceback" not in checked.stderr
+    assert sorted(path.name for path in state.iterdir()) == before  # read only: nothing made, nothing changed
