@@ -124,14 +124,31 @@ def agent_message(task: Task, text: str) -> Message:
 INPUT_MODES = ("text/plain", "application/json")
 
 
+def _inline_text(part: FilePart) -> bool:
+    """Whether a file part is text the agent reads: sent inline, in one of the card's input modes."""
+    return part.raw is not None and (part.media_type or "").split(";")[0].strip().lower() in INPUT_MODES
+
+
 def readable_text(message: Message) -> str:
-    """A client's message as text for the model. A file part is refused (ContentTypeNotSupported):
-    the model would never see it, and an answer that silently left it out would mislead. So is a
-    message with nothing to read (InvalidParams)."""
+    """A client's message as text for the model. A file part is refused (ContentTypeNotSupported)
+    unless it is inline text in one of the card's input modes: the model would never see it, and
+    an answer that silently left it out would mislead. So is a message with nothing to read
+    (InvalidParams)."""
     for index, part in enumerate(message.parts):
-        if isinstance(part, FilePart):
+        if not isinstance(part, FilePart):
+            continue
+        named = f" {part.filename!r}" if part.filename else ""
+        if _inline_text(part):
+            assert part.raw is not None
+            try:
+                part.raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidParams(
+                    f"message.parts[{index}]",
+                    problem=f"is a text file{named} that is not UTF-8 (byte {exc.start} is not); send it as UTF-8",
+                ) from None
+        else:
             media_type = part.media_type or "application/octet-stream"
-            named = f" {part.filename!r}" if part.filename else ""
             raise ContentTypeNotSupported(
                 media_type, INPUT_MODES,
                 problem=f"message.parts[{index}] is a file{named} ({media_type}), which this agent cannot read; "
@@ -144,11 +161,16 @@ def readable_text(message: Message) -> str:
 
 
 def message_text(message: Message) -> str:
-    """What a message says, as text for the model: text parts as they are, data parts as JSON."""
+    """What a message says, as text for the model: text parts as they are, data parts as JSON,
+    inline text files as their text."""
     pieces = []
     for part in message.parts:
         if isinstance(part, TextPart):
             pieces.append(part.text)
+        elif isinstance(part, FilePart):
+            if _inline_text(part):
+                assert part.raw is not None
+                pieces.append(part.raw.decode("utf-8", "replace"))
         elif hasattr(part, "data"):
             pieces.append(json.dumps(part.data, ensure_ascii=False))
     return "\n".join(pieces)

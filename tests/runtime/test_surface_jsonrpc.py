@@ -166,6 +166,36 @@ async def test_send_to_a_terminal_task_is_unsupported_operation(keel: Served, ve
     )
 
 
+def file_part(raw: bytes, media_type: str, name: str, version: str | None) -> dict[str, Any]:
+    encoded = base64.b64encode(raw).decode()
+    if version == V1:
+        return {"raw": encoded, "filename": name, "mediaType": media_type}
+    return {"kind": "file", "file": {"bytes": encoded, "name": name, "mimeType": media_type}}
+
+
+@BOTH
+async def test_a_plain_text_file_sent_inline_is_read_as_text(keel: Served, version: str | None) -> None:
+    # The card lists text/plain among the input modes: a client may send it as a file.
+    keel.model.script = [Reply(text="Two lines.")]
+    text = {"text": "What does it say?"} if version == V1 else {"kind": "text", "text": "What does it say?"}
+    notes = file_part("line one\nline two, café".encode(), "text/plain; charset=utf-8", "notes.txt", version)
+    sent = {**message("", version), "parts": [text, notes]}
+    done = await keel.result(SEND[version], {"message": sent}, version=version)
+    assert (done["task"] if version == V1 else done)["status"]["state"] == wire_state("completed", version)
+    [asked] = [m["content"] for m in keel.model.bodies[0]["messages"] if m["role"] == "user"]
+    assert asked == "What does it say?\nline one\nline two, café"
+
+
+async def test_a_plain_text_file_that_is_not_utf8_is_refused_saying_so(keel: Served) -> None:
+    notes = file_part(b"caf\xe9", "text/plain", "notes.txt", V1)
+    error = await keel.error("SendMessage", {"message": {**message("", V1), "parts": [notes]}})
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert error["message"] == (
+        "invalid params: 'message.parts[0]' is a text file 'notes.txt' that is not UTF-8 (byte 3 is not); send it as UTF-8"
+    )
+    assert keel.model.bodies == []
+
+
 @BOTH
 async def test_a_file_the_agent_cannot_read_is_refused_naming_it_and_nothing_is_stored(keel: Served, version: str | None) -> None:
     text = {"text": "What does the report say?"} if version == V1 else {"kind": "text", "text": "What does the report say?"}
