@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -11,10 +12,10 @@ from collections.abc import Callable, Sequence
 COMMAND_MODULES: tuple[str, ...] = ("runtime.serve_cli", "runtime.state_cli")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m runtime") -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="python -m runtime", description="Keel, a durable A2A agent runtime.")
+    parser = argparse.ArgumentParser(prog=prog, description="Keel, a durable A2A agent runtime.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
@@ -22,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    started_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    # The installed ``keel`` command names itself so; ``python -m runtime`` runs __main__.py.
+    parser = build_parser(started_as if argv is None and started_as not in ("", "__main__.py") else "python -m runtime")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's own parser (its ``parser`` default), with its usage
         command: argparse.ArgumentParser = getattr(args, "parser", parser)

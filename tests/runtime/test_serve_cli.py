@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,11 @@ def test_the_agent_card_reads_the_installed_version_once(monkeypatch: pytest.Mon
     cards = [agents.agent_card("http://127.0.0.1:8080/") for _ in range(3)]
     assert {card.version for card in cards} == {real("keel")}
     assert read == ["keel"]
+
+
+def test_the_installed_keel_command_names_itself_in_its_usage() -> None:
+    keel = Path(sys.executable).parent / "keel"
+    helped = subprocess.run([str(keel), "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: keel "), helped.stdout
+    refused = subprocess.run([str(keel), "serve", "--bogus"], capture_output=True, text=True, timeout=60)
+    assert "usage: keel serve" in refused.stderr and "keel serve: error: unrecognized arguments: --bogus" in refused.stderr
