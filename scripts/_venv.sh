@@ -15,6 +15,7 @@ stamp="$venv/.keel-installed-${extras:-base}"
 if ! grep -qsx "$hash" "$stamp" && { [ -n "$extras" ] || ! grep -qsx "$hash" "$venv"/.keel-installed-*; }; then
     spec="$root"
     [ -n "$extras" ] && spec="$root[$extras]"
+    echo "installing Keel${extras:+ with its $extras extra} into .venv (once; a minute or so)..." >&2
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$spec"
     echo "$hash" > "$stamp"
 fi
