@@ -7,10 +7,9 @@ only its own subscription.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import attrs
@@ -72,6 +71,7 @@ END_RETRY_MAX_S = 30.0
 
 
 Outcome = Callable[[Task], Task]
+STOPPING = "the server is shutting down and takes no new tasks; send it again once the server that replaces it is up"
 """How a run ends, applied to the task as it stands when the end is written (see LiveTask.persist)."""
 
 
@@ -155,6 +155,7 @@ class Runner:
     _abandoned: bool = attrs.field(init=False, default=False)  # see abandon()
     _stopped: trio.Event = attrs.field(init=False, factory=trio.Event)
     _drain: trio.CancelScope | None = attrs.field(init=False, default=None)  # the drain's wait, once begun
+    _creating: set[trio.CancelScope] = attrs.field(init=False, factory=set)  # sends' task writes under way
     _hurried: bool = attrs.field(init=False, default=False)  # see hurry()
 
     async def run(self, *, task_status: trio.TaskStatus[Runner] = trio.TASK_STATUS_IGNORED) -> None:
@@ -187,10 +188,13 @@ class Runner:
                     self._say_cut(f"did not finish within {self.config.drain_timeout_s:g} s and are canceled")
                 for live in list(self._live.values()):
                     live.scope.cancel()
-                # Bounded: a send's task write that has not landed by then is left SUBMITTED, for
-                # the next process to take up (see _start).
+                # Bounded: a send's task write that has not landed by then is given up on (its
+                # client told to send again); if it lands after all, it is left SUBMITTED for the
+                # next process to take up (see _start).
                 with trio.move_on_after(self.config.cleanup_timeout_s):
                     await self._sending.wait_none()
+                for scope in list(self._creating):
+                    scope.cancel()
                 self._nursery = None  # here, before the nursery closes to new tasks: see _start
         finally:
             self._nursery = None
@@ -260,28 +264,50 @@ class Runner:
             id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
             history=(message,), metadata=params.metadata,
         )  # fmt: skip
-        taken_by = None
-        with self._sending.one():
-            # Shielded, with a bound: a client that disconnects cancels this request, but the
-            # write it queued lands all the same (a queued write is not withdrawn), and a task
-            # stored SUBMITTED must have its run.
-            with trio.move_on_after(self.config.cleanup_timeout_s, shield=True) as bound:
+        # Written, and its run started, by a task of the runner's: a client that disconnects
+        # cancels this request, but the write it queued lands all the same (a queued write is
+        # not withdrawn), and a task stored SUBMITTED must have its run, however long the write.
+        assert self._nursery is not None  # open: not stopping, as just checked, and no await since
+        created: list[Task | Exception] = []  # what came of it
+        done = trio.Event()
+        self._sending.enter()  # from now: the drain waits for this write (up to its bound)
+        self._nursery.start_soon(self._create, owner, task, params, created, done, name=f"send {task_id}")
+        await done.wait()
+        if not created:  # the write was given up on as the server stopped: it may land yet, for the next process
+            raise UnsupportedOperation(STOPPING)
+        if isinstance(created[0], Exception):
+            raise created[0]
+        return created[0]
+
+    async def _create(
+        self, owner: str, task: Task, params: SendMessageParams, created: list[Task | Exception], done: trio.Event
+    ) -> None:
+        """Write a new task SUBMITTED and start its run; what came of it goes to ``created``."""
+        try:
+            with trio.CancelScope() as scope:  # cancelled by the drain, once it gives up on sends
+                self._creating.add(scope)
                 try:
                     record = await self.tasks.create(
-                        owner, task_id=task_id, context_id=context_id, state=TaskState.SUBMITTED.wire_name(STORED_VERSION),
-                        task_json=encode(task), message_id=message.message_id, updated_at_ms=status_ms(task),
+                        owner, task_id=task.id, context_id=task.context_id,
+                        state=TaskState.SUBMITTED.wire_name(STORED_VERSION), task_json=encode(task),
+                        message_id=task.history[0].message_id, updated_at_ms=status_ms(task),
                     )  # fmt: skip
-                except store_errors.MessageTaken as taken:
-                    taken_by = taken.task_id
-                else:
                     started = self._start(self._live_task(owner, task, record.version))
-                    if started and context_id != params.message.context_id:  # minted here (read when the run begins)
-                        self._fresh[context_id] = task_id
-            if bound.cancelled_caught:  # it may land yet: then the next process to start runs it
-                raise TimeoutError(f"storing new task {task_id!r} took longer than {self.config.cleanup_timeout_s:g} s")
-        if taken_by is not None:
-            return await self._sent_before(owner, params.message, taken_by)
-        return task
+                finally:
+                    self._creating.discard(scope)
+                    self._sending.leave()
+                if started and task.context_id != params.message.context_id:  # minted here (read when the run begins)
+                    self._fresh[task.context_id] = task.id
+                created.append(task)
+        except store_errors.MessageTaken as taken:
+            try:
+                created.append(await self._sent_before(owner, params.message, taken.task_id))
+            except Exception as exc:
+                created.append(exc)
+        except Exception as exc:  # a failed write: the client is told, if it is still there
+            created.append(exc)
+        finally:
+            done.set()
 
     async def _sent_before(self, owner: str, message: Message, task_id: str) -> Task:
         """The task a message already started: a client sending it again (its answer lost to a
@@ -538,13 +564,11 @@ class Runner:
 
     def _refuse_if_stopping(self) -> None:
         if self._stopping.is_set():
-            raise UnsupportedOperation("the server is shutting down and takes no new tasks; send it again once the server that replaces it is up")
+            raise UnsupportedOperation(STOPPING)
 
     def _start(self, live: LiveTask) -> bool:
         """Start the task's run in the runner's nursery; False if the runner has stopped."""
-        # A send's write is bounded by less than the drain waits for it, so no task it writes
-        # should land once the runner has stopped; if one does, the next process runs it.
-        if self._nursery is None:
+        if self._nursery is None:  # a send's task written as the runner stopped: the next process runs it
             logger.warning("task %s was taken as the server stopped; the next process to start runs it", live.task.id)
             return False
         self._live[live.task.id] = live
@@ -717,17 +741,15 @@ class _Count:
     count: int = 0
     _none: trio.Event = attrs.field(init=False, factory=trio.Event)
 
-    @contextlib.contextmanager
-    def one(self) -> Iterator[None]:
+    def enter(self) -> None:
         if not self.count and self._none.is_set():
             self._none = trio.Event()
         self.count += 1
-        try:
-            yield
-        finally:
-            self.count -= 1
-            if not self.count:
-                self._none.set()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self._none.set()
 
     async def wait_none(self) -> None:
         while self.count:

@@ -226,8 +226,41 @@ async def test_a_send_whose_client_leaves_while_its_task_is_written_still_runs_t
         assert client.cancelled_caught
         with trio.fail_after(DEADLINE_S):
             while (task_id := await tasks.started_by(ANONYMOUS, sent.message.message_id)) is None:
-                await trio.sleep(0.01)
-            while (ended := decode(await tasks.get(ANONYMOUS, task_id))).status.state is not TaskState.COMPLETED:
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # polled until the write lands (the pool's thread tells no one)
+            await trio.testing.wait_all_tasks_blocked()  # and the runner has taken it up
+            ended = await runner.wait_settled(ANONYMOUS, task_id)
+        assert ended.status.state is TaskState.COMPLETED
         assert ended.artifacts[0].parts[0].text == "Rolled back."  # type: ignore[union-attr]
+        runner.stop()
+
+
+async def test_a_send_whose_task_write_is_slow_waits_for_it_and_the_task_runs(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    # Another program holds tasks.db past every bound the runner has: the client still waiting
+    # gets its task once the write lands, and the task runs (no time passes but by the jump).
+    entered, release = threading.Event(), threading.Event()
+
+    def busy_disk(_conn: sqlite3.Connection) -> None:
+        entered.set()
+        release.wait(DEADLINE_S)
+
+    async with open_task_store(tmp_path / "tasks.db") as tasks, trio.open_nursery() as nursery:
+        config = RunnerConfig(cleanup_timeout_s=WRITE_BOUND_S)
+        runner = Runner(MemorySessionStore(), tasks, ScriptedModel([Answer("Rolled back.")]), AgentSpec(), config)
+        await nursery.start(runner.run)
+        nursery.start_soon(tasks.pool.run, busy_disk)
+        await trio.to_thread.run_sync(entered.wait, DEADLINE_S)
+
+        async def disk_answers_late() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the send waits on its write
+            mock_clock.jump(10 * WRITE_BOUND_S)
+            await trio.testing.wait_all_tasks_blocked()  # any bound that was to fire has fired
+            release.set()
+
+        nursery.start_soon(disk_answers_late)
+        task = await runner.send(ANONYMOUS, ask("Roll back the deploy"))
+        assert task.status.state is TaskState.SUBMITTED
+        ended = await runner.wait_settled(ANONYMOUS, task.id)
+        assert ended.status.state is TaskState.COMPLETED
         runner.stop()
