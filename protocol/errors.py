@@ -147,8 +147,8 @@ class TaskUnreadable(InternalError):
         self.task_id = task_id
         ProtocolError.__init__(
             self,
-            f"task {task_id!r} is stored in a form this server cannot read; nothing else is affected, and the server "
-            "log tells its operator how to repair it",
+            f"task {task_id!r} is stored in a form this server cannot read; the server log tells its operator how to"
+            " repair it",
         )
 
 

@@ -40,8 +40,10 @@ class SendConfiguration:
     def from_json(cls, reader: JsonReader, version: ProtocolVersion) -> SendConfiguration:
         # The other version's way to be answered at once, read as the default, would block a
         # client that asked not to be: refused, saying this version's.
-        mine, theirs = ('"returnImmediately": true', "blocking") if version is V1 else ('"blocking": false', "returnImmediately")
-        if reader.has(theirs):
+        mine, theirs, asking = (
+            ('"returnImmediately": true', "blocking", False) if version is V1 else ('"blocking": false', "returnImmediately", True)
+        )
+        if reader.value(theirs) is asking:  # the value that would have it answered at once
             other = version.other
             raise InvalidParams(
                 reader.at(theirs),

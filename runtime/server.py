@@ -147,7 +147,7 @@ async def _serve_in(
                     runner.abandon()
                 raise
     finally:
-        # Cancelled (a second SIGTERM), the runs are cut short at once, but each still records
+        # Cancelled (a third SIGTERM), the runs are cut short at once, but each still records
         # its end: the stores' writers stay up until the runner has stopped, then close.
         if runner is not None:
             with trio.move_on_after(config.cleanup_timeout_s, shield=True):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import re
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -215,11 +214,11 @@ class _Failure:
     retry_after_s: float | None = None
 
 
-# A base URL given without the API version its server serves under (Ollama's, vLLM's and
-# llama.cpp's is /v1): the most common reason for a 404.
-_VERSIONED = re.compile(r"/v\d+[a-z0-9]*/?$")
-_NO_VERSION_HINT = (
-    "; the base URL's path does not end in an API version such as /v1, which OpenAI-compatible servers serve under"
+# A base URL given as the server's bare address, without the /v1 Ollama, vLLM and llama.cpp
+# serve their API under: the most common reason for a 404. (A path of its own is a gateway's.)
+_NO_PATH_HINT = (
+    "; the base URL has no path: add the /v1 that OpenAI-compatible servers serve under to AGENT_MODEL_BASE_URL"
+    " (or --model-base-url)"
 )
 
 @attrs.define(eq=False)
@@ -373,7 +372,7 @@ class ModelClient:
             error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
             return _Failure(error, retry=True, retry_after_s=retry_after_s)
         if status >= 400:
-            hint = _NO_VERSION_HINT if status == 404 and not _VERSIONED.search(urlsplit(self.config.base_url).path) else ""
+            hint = _NO_PATH_HINT if status == 404 and urlsplit(self.config.base_url).path in ("", "/") else ""
             error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=self._credentials_sent(), hint=hint)
             return _Failure(error, retry=False)
         error = ModelBadResponse(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)

@@ -391,11 +391,14 @@ async def test_a_database_file_removed_under_its_store_takes_no_writes_until_it_
         assert [event.content for event in await store.events("s")] == ['{"n":1}', '{"n":3}']
 
 
-async def append_refused(store: SqliteSessionStore) -> None:
-    from persistence.errors import DatabaseFailed
+async def append_waiting(store: SqliteSessionStore) -> None:
+    """An append that waits on another program's lock; what becomes of it is not this test's."""
+    from persistence.errors import DatabaseFailed, StoreClosed
 
-    with pytest.raises(DatabaseFailed, match="database is locked"):
+    try:
         await store.append("s", ['{"n":1}'])
+    except (DatabaseFailed, StoreClosed):
+        pass
 
 
 async def test_a_bound_on_closing_a_store_holds_while_another_program_holds_its_database(tmp_path: Path) -> None:
@@ -405,7 +408,7 @@ async def test_a_bound_on_closing_a_store_holds_while_another_program_holds_its_
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
             other.execute("BEGIN IMMEDIATE")  # another program's write transaction, held
-            nursery.start_soon(append_refused, store)  # waits on it (busy timeout)
+            nursery.start_soon(append_waiting, store)  # waits on it (busy timeout)
             await trio.testing.wait_all_tasks_blocked()
             start = trio.current_time()
             with trio.move_on_after(0.2, shield=True) as bound:  # as the server bounds each store's close

@@ -84,6 +84,17 @@ def test_send_params_refuse_the_other_versions_way_to_be_answered_at_once(
     assert complaint(SendMessageParams, params, version) == words
 
 
+def test_send_params_take_the_other_versions_spelling_of_the_default_as_the_default() -> None:
+    # "blocking": true in 1.0 asks for what happens anyway: nothing to refuse.
+    v1 = {"message": {"messageId": "m", "role": "ROLE_USER", "parts": [{"text": "x"}]}, "configuration": {"blocking": True}}
+    v03 = {
+        "message": {"messageId": "m", "role": "user", "parts": [{"kind": "text", "text": "x"}]},
+        "configuration": {"returnImmediately": False},
+    }
+    assert not SendMessageParams.from_json(v1, V1).configuration.return_immediately
+    assert not SendMessageParams.from_json(v03, V03).configuration.return_immediately
+
+
 def test_send_params_keep_history_length_output_modes_and_push_config() -> None:
     configuration = {
         "acceptedOutputModes": ["text/plain"],

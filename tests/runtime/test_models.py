@@ -341,10 +341,16 @@ async def test_a_base_url_without_v1_is_hinted_at_when_the_server_has_no_such_en
                 await client.list_models()
     for error in (raised.value, listed.value):
         assert error.reason == (
-            "the model or the endpoint does not exist on the server (HTTP 404); the base URL's path does not end in"
-            " an API version such as /v1, which OpenAI-compatible servers serve under"
+            "the model or the endpoint does not exist on the server (HTTP 404); the base URL has no path: add the /v1"
+            " that OpenAI-compatible servers serve under to AGENT_MODEL_BASE_URL (or --model-base-url)"
         )
         assert bare not in str(error)
+    # A base URL with a path of its own (a gateway's, say) gets no such guess.
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(attrs.evolve(config_for(fake_model), base_url=bare + "/openai")) as client:
+            with pytest.raises(ModelRejected) as raised:
+                await client.complete(ASK)
+    assert raised.value.reason == "the model or the endpoint does not exist on the server (HTTP 404)"
 
 
 async def test_rate_limit_asking_for_a_longer_wait_than_the_backoff_cap_is_not_waited_for(fake_model: FakeModel) -> None:
