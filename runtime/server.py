@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,7 +38,7 @@ import hypercorn.trio
 import trio
 from hypercorn.config import Sockets
 
-from persistence.recovery import hold_state_dir
+from persistence.recovery import HeldStateDir, hold_state_dir
 from persistence.statedir import acquire_serving, release_use
 from persistence.sessions import SqliteSessionStore
 from persistence.tasks import SqliteTaskStore
@@ -85,9 +86,7 @@ async def serve(
     directory or the address cannot be used; the CLI turns those into a message and a non-zero exit.
     """
     agent = agent or default_agent(max_model_calls=config.max_model_calls)
-    # Steps 1 and 2. It may wait for a snapshot or a restore to finish; cancelled meanwhile (a
-    # signal), the start ends at once, and a lock the thread takes after is let go at exit.
-    held = await trio.to_thread.run_sync(hold_state_dir, config.state_dir, abandon_on_cancel=True)
+    held = await _hold_state_dir(config.state_dir)  # steps 1 and 2
     logger.info("state %s: %s", config.state_dir, held.outcome)
     try:
         serving = await trio.to_thread.run_sync(acquire_serving, config.state_dir)  # the only server
@@ -105,6 +104,32 @@ async def serve(
             release_use(serving)
     finally:
         held.release()
+
+
+async def _hold_state_dir(state_dir: Path) -> HeldStateDir:
+    """hold_state_dir, which may wait for a snapshot or a restore to finish. Cancelled meanwhile
+    (a signal), it returns at once, and the hold the thread takes after is let go at once."""
+    lock = threading.Lock()
+    taken: list[HeldStateDir] = []
+    given_up = False
+
+    def hold() -> None:
+        held = hold_state_dir(state_dir)
+        with lock:
+            if given_up:
+                held.release()
+            else:
+                taken.append(held)
+
+    try:
+        await trio.to_thread.run_sync(hold, abandon_on_cancel=True)
+    except BaseException:
+        with lock:
+            given_up = True
+            for held in taken:  # taken, but its return not waited for
+                held.release()
+        raise
+    return taken[0]
 
 
 class InProcessModel(Model, ModelCatalog, Protocol):

@@ -6,10 +6,12 @@ import gc
 import socket
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 import pytest
+import trio
 
 from runtime.config import Config
 from runtime.serve_cli import GC_YOUNG_THRESHOLD, _tune_collector
@@ -86,3 +88,32 @@ def test_the_installed_keel_command_names_itself_in_its_usage() -> None:
     assert helped.returncode == 0 and helped.stdout.startswith("usage: keel "), helped.stdout
     refused = subprocess.run([str(keel), "serve", "--bogus"], capture_output=True, text=True, timeout=60)
     assert "usage: keel serve" in refused.stderr and "keel serve: error: unrecognized arguments: --bogus" in refused.stderr
+
+
+async def test_a_start_given_up_while_it_waits_for_the_state_directory_lets_go_of_it_once_taken(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # serve waits for a snapshot or a restore to let go of the state directory, in a thread a
+    # signal abandons; the hold that thread takes after must not outlive the start given up on.
+    from runtime import server
+
+    entered, snapshot_done, released = threading.Event(), threading.Event(), threading.Event()
+
+    class Held:
+        def release(self) -> None:
+            released.set()
+
+    def hold_state_dir(_state_dir: Path) -> Held:
+        entered.set()
+        snapshot_done.wait(10)
+        return Held()
+
+    monkeypatch.setattr(server, "hold_state_dir", hold_state_dir)
+    with trio.CancelScope() as start:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server._hold_state_dir, tmp_path)
+            await trio.to_thread.run_sync(entered.wait, 10)
+            start.cancel()  # a signal
+    assert start.cancelled_caught
+    snapshot_done.set()
+    assert await trio.to_thread.run_sync(released.wait, 10), "the hold taken after the start was given up on was kept"
