@@ -4,7 +4,8 @@ Nothing below ``main`` reads the environment: the CLI builds a Config with ``Con
 passes it down. Every problem is collected, so ``python -m runtime check`` can print them all at
 once; values of secrets never appear in a message. ``check`` also probes what only trying tells
 (``Config.load(..., probe=True)``): that serve could listen on the host and create its state
-directory, leaving nothing behind.
+directory, leaving nothing behind, and use the databases there (read only; SQLite may leave the
+empty -wal and -shm files any reader of a WAL database makes).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def preflight(state_dir: Path) -> None:
 
 def _can_make_state_dir(path: Path) -> None:
     """What serve will do, tried, leaving nothing behind (persistence.statedir.try_state_dir),
-    and its databases read as serve's preflight reads them."""
+    and its databases read as serve's preflight reads them (SQLite may leave a WAL database's
+    empty -wal and -shm files, as for any reader)."""
     try:
         try_state_dir(path)
         preflight(path)
