@@ -71,8 +71,9 @@ END_RETRY_MAX_S = 30.0
 
 
 Outcome = Callable[[Task], Task]
-STOPPING = "the server is shutting down and takes no new tasks; send it again once the server that replaces it is up"
 """How a run ends, applied to the task as it stands when the end is written (see LiveTask.persist)."""
+
+STOPPING = "the server is shutting down and takes no new tasks; send it again once the server that replaces it is up"
 
 
 def _settle(state: TaskState, text: str) -> Outcome:
