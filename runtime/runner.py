@@ -268,20 +268,26 @@ class Runner:
         # Written, and its run started, by a task of the runner's: a client that disconnects
         # cancels this request, but the write it queued lands all the same (a queued write is
         # not withdrawn), and a task stored SUBMITTED must have its run, however long the write.
-        assert self._nursery is not None  # open: not stopping, as just checked, and no await since
-        created: list[Task | Exception] = []  # what came of it
+        if self._nursery is None:  # the runner is not running (not yet, or no longer)
+            raise UnsupportedOperation(STOPPING)
+        created: list[Task | Exception | str] = []  # what came of it: a task id when the message was taken before
         done = trio.Event()
         self._sending.enter()  # from now: the drain waits for this write (up to its bound)
         self._nursery.start_soon(self._create, owner, task, params, created, done, name=f"send {task_id}")
         await done.wait()
-        if not created:  # the write was given up on as the server stopped: it may land yet, for the next process
-            raise UnsupportedOperation(STOPPING)
+        if not created:  # given up on as the server stopped: it may land yet, and the next process run it
+            raise UnsupportedOperation(
+                f"the server is shutting down and could not confirm task {task_id!r}; send the same message again"
+                " (the same messageId) once the server that replaces it is up: it is taken once"
+            )
+        if isinstance(created[0], str):
+            return await self._sent_before(owner, params.message, created[0])
         if isinstance(created[0], Exception):
             raise created[0]
         return created[0]
 
     async def _create(
-        self, owner: str, task: Task, params: SendMessageParams, created: list[Task | Exception], done: trio.Event
+        self, owner: str, task: Task, params: SendMessageParams, created: list[Task | Exception | str], done: trio.Event
     ) -> None:
         """Write a new task SUBMITTED and start its run; what came of it goes to ``created``."""
         try:
@@ -301,11 +307,9 @@ class Runner:
                     self._fresh[task.context_id] = task.id
                 created.append(task)
         except store_errors.MessageTaken as taken:
-            try:
-                created.append(await self._sent_before(owner, params.message, taken.task_id))
-            except Exception as exc:
-                created.append(exc)
-        except Exception as exc:  # a failed write: the client is told, if it is still there
+            created.append(taken.task_id)
+        except Exception as exc:  # the client is told, if it is still there; the log has it either way
+            logger.warning("new task %s was not taken: %s", task.id, exc)
             created.append(exc)
         finally:
             done.set()

@@ -411,7 +411,7 @@ async def test_a_send_whose_task_write_the_drain_gives_up_on_is_told_to_send_aga
     runner = Runner(MemorySessionStore(), tasks, ScriptedModel([]), AgentSpec(), RunnerConfig(drain_timeout_s=0.5))
 
     async def send_held() -> None:
-        with pytest.raises(UnsupportedOperation, match="send it again once the server that replaces it is up"):
+        with pytest.raises(UnsupportedOperation, match=r"could not confirm task .*; send the same message again \(the same messageId\)"):
             await runner.send(ANONYMOUS, ask("first"))
 
     async with trio.open_nursery() as nursery:
