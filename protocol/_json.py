@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -168,10 +169,14 @@ class JsonReader:
         found = self.value(key)
         if isinstance(found, str):
             try:
-                return base64.b64decode(found.replace("-", "+").replace("_", "/"), validate=True)
+                standard = found.replace("-", "+").replace("_", "/")
+                return base64.b64decode(standard + "=" * (-len(standard) % 4), validate=True)
             except binascii.Error:
                 pass
         raise InvalidParams(self.at(key), "a base64 string", got=found)
+
+
+_DECIMAL = re.compile(r"-?[0-9]{1,20}")  # int64 and uint64 need at most 20 digits
 
 
 def _as_int(value: object) -> int | None:
@@ -181,7 +186,7 @@ def _as_int(value: object) -> int | None:
         return value
     if isinstance(value, float) and value.is_integer():  # 3.0 or 1e2, as ProtoJSON reads them
         return int(value)
-    if isinstance(value, str) and value.lstrip("-").isdigit() and value.isascii():
+    if isinstance(value, str) and _DECIMAL.fullmatch(value):
         return int(value)
     return None
 
@@ -199,6 +204,8 @@ def _int_expectation(minimum: int | None, maximum: int | None) -> str:
 def _as_timestamp(value: object) -> datetime | None:
     if not isinstance(value, str) or "T" not in value.upper():
         return None
+    if value.endswith("z"):  # RFC 3339 allows a lower-case Z; fromisoformat does not
+        value = value[:-1] + "Z"
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:

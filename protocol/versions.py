@@ -13,7 +13,7 @@ from protocol.errors import VersionNotSupported
 
 VERSION_HEADER = "A2A-Version"
 
-_MAJOR_MINOR = re.compile(r"(\d+)\.(\d+)(?:\.\d+)?")
+_MAJOR_MINOR = re.compile(r"([0-9]{1,9})\.([0-9]{1,9})(?:\.[0-9]+)?")
 
 
 class ProtocolVersion(enum.Enum):

@@ -128,14 +128,14 @@ class StreamAssembler:
         try:
             chunk = json.loads(data)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested past what Python reads
-            raise ModelBadResponse(self.model, "a stream event is not JSON", detail=data[:2000]) from exc
+            raise ModelBadResponse(self.model, "a stream event is not JSON", detail=data[:8000]) from exc
         return self._on_chunk(chunk)
 
     def _on_chunk(self, chunk: object) -> list[Delta]:
         if not isinstance(chunk, dict):
             raise ModelBadResponse(self.model, "a stream event is not a JSON object")
         if "error" in chunk:
-            detail = json.dumps(chunk["error"], ensure_ascii=False)[:2000]
+            detail = json.dumps(chunk["error"], ensure_ascii=False)[:8000]
             raise ModelBadResponse(self.model, "the server reported an error in the middle of the answer", detail=detail)
         deltas: list[Delta] = []
         choices = chunk.get("choices") or []

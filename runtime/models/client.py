@@ -10,10 +10,13 @@ part of the answer may already be in the caller's hands, and a second request wo
 from __future__ import annotations
 
 import base64
+import email.utils
 import json
 import logging
+import math
 from collections import deque
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
@@ -55,6 +58,10 @@ def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
         raise ValueError(f"the model base URL must be an http:// or https:// URL with a host, for example {DEFAULT_BASE_URL}")
     if misplaced_at(url):
         raise ValueError(MISPLACED_AT)
+    try:
+        parts.port  # noqa: B018  # read for its check
+    except ValueError:
+        raise ValueError(f"the model base URL's port must be a whole number from 1 to 65535, for example {DEFAULT_BASE_URL}") from None
 
 
 MISPLACED_AT = (
@@ -359,7 +366,7 @@ class ModelClient:
             body = f"(the body could not be read: {type(exc).__name__})".encode()
         finally:
             await response.aclose()
-        return self._scrub(f"HTTP {response.status_code}: {body[:_DETAIL_CHARS].decode('utf-8', 'replace')}")
+        return self._scrub_cut(f"HTTP {response.status_code}: {body.decode('utf-8', 'replace')}")
 
     async def _failure_status(self, response: httpx.Response, attempt: int) -> _Failure:
         model, status = self.config.model, response.status_code
@@ -401,7 +408,7 @@ class ModelClient:
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:
-            detail = self._scrub(raw[:_DETAIL_CHARS].decode("utf-8", "replace"))
+            detail = self._scrub_cut(raw[: 4 * _DETAIL_CHARS].decode("utf-8", "replace"))
             raise ModelBadResponse(model, "the body is not JSON", detail=detail) from exc
 
     def _broken_answer(self, exc: httpx.RequestError, *, started: bool) -> ModelError:
@@ -422,6 +429,10 @@ class ModelClient:
         if self.config.api_key:
             return "the API key"
         return "the credentials in the base URL" if any(url_credentials(self.config.base_url)) else None
+
+    def _scrub_cut(self, text: str) -> str:
+        """``text`` scrubbed, then cut to what the log keeps: cut first, a secret across the cut would no longer match."""
+        return self._scrub(text)[:_DETAIL_CHARS]
 
     def _scrub(self, text: str) -> str:
         # Some servers echo the key or the credentials they refused; logs should not keep them either.
@@ -484,12 +495,21 @@ async def _unwind(chunks: AsyncIterator[bytes]) -> None:
 
 
 def _retry_after_s(value: str | None) -> float | None:
-    """Retry-After in seconds; the HTTP-date form is rare from model servers and is ignored."""
-    try:
-        seconds = float(value) if value is not None else None
-    except ValueError:
+    """Retry-After in seconds, given as seconds or as an HTTP-date (a date gone by: 0); None
+    when absent or unreadable."""
+    if value is None:
         return None
-    return seconds if seconds is not None and seconds >= 0 else None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # "-0000": UTC, as HTTP-dates always are
+            when = when.replace(tzinfo=timezone.utc)
+        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 @attrs.define(eq=False)
@@ -587,7 +607,7 @@ class ChatStream:
                         self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
                     self._pending.extend(self._assembler.feed_line(line))
                 except ModelError as exc:  # what the server said may repeat the key it was sent
-                    exc.detail = self._client._scrub(exc.detail)
+                    exc.detail = self._client._scrub_cut(exc.detail)
                     raise
             return self._pending.popleft()
         if self._assembler.done:  # the answer was whole; only what followed [DONE] was cut off

@@ -154,6 +154,18 @@ def test_part_file_accepts_url_safe_base64() -> None:
     assert part_from_json({"raw": "AP8_"}, V1, "p") == FilePart(raw=b"\x00\xff?")  # "AP8/" in standard base64
 
 
+@pytest.mark.parametrize(("raw", "decoded"), [("AP8", b"\x00\xff"), ("AA", b"\x00"), ("AA=", b"\x00"), ("AP8=", b"\x00\xff")])
+def test_part_file_accepts_base64_with_or_without_its_padding_as_protojson_does(raw: str, decoded: bytes) -> None:
+    assert part_from_json({"raw": raw}, V1, "p") == FilePart(raw=decoded)
+    assert part_from_json({"kind": "file", "file": {"bytes": raw}}, V03, "p") == FilePart(raw=decoded)
+
+
+@pytest.mark.parametrize("raw", ["A", "AP8==x", "A P8"])
+def test_part_file_base64_that_no_padding_can_mend_is_refused(raw: str) -> None:
+    with pytest.raises(InvalidParams, match="'p.raw' must be a base64 string"):
+        part_from_json({"raw": raw}, V1, "p")
+
+
 def test_part_file_needs_exactly_one_of_raw_and_url() -> None:
     with pytest.raises(ValueError, match="exactly one of raw= and url="):
         FilePart()

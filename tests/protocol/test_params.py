@@ -142,10 +142,15 @@ def test_task_query_params_keep_history_length_presence() -> None:
         ({"id": "t", "historyLength": "abc"}, "'historyLength' must be a non-negative integer, got string 'abc'"),
         ({"id": "t", "historyLength": True}, "'historyLength' must be a non-negative integer, got boolean true"),
         ({"id": "t", "historyLength": 1.5}, "'historyLength' must be a non-negative integer, got number 1.5"),
+        ({"id": "t", "historyLength": "--5"}, "'historyLength' must be a non-negative integer, got string '--5'"),
     ],
 )
 def test_task_query_params_bad_fields_are_named(params: Any, message: str) -> None:
     assert complaint(TaskQueryParams, params) == f"invalid params: {message}"
+
+
+def test_a_history_length_of_more_digits_than_any_integer_has_is_invalid_params() -> None:
+    assert "'historyLength' must be a non-negative integer, got string '999" in complaint(TaskQueryParams, {"id": "t", "historyLength": "9" * 5000})
 
 
 def test_task_id_params_round_trip() -> None:
@@ -185,6 +190,11 @@ def test_list_tasks_status_may_be_an_enum_number_and_unspecified_is_no_filter() 
     assert "'status' must be one of" in complaint(ListTasksParams, {"status": 9})
     assert "'status' must be one of" in complaint(ListTasksParams, {"status": "WORKING"})  # a typo is still said
     assert "'status' must be one of" in complaint(ListTasksParams, {"status": True})
+
+
+def test_list_tasks_timestamp_may_end_in_a_lower_case_z_as_rfc_3339_allows() -> None:
+    upper = ListTasksParams.from_json({"statusTimestampAfter": "2024-05-01T12:00:00Z"}, V1)
+    assert ListTasksParams.from_json({"statusTimestampAfter": "2024-05-01t12:00:00z"}, V1) == upper
 
 
 @pytest.mark.parametrize("moment", ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-01:00", "2026-11-29T22:00:00", "yesterday"])

@@ -35,12 +35,19 @@ def test_version_header_requested_is_major_minor(header: str, requested: str) ->
     assert requested_version(header) == requested
 
 
-@pytest.mark.parametrize("header", ["2.0", "1.1", "0.2", "1", "latest"])
+@pytest.mark.parametrize("header", ["2.0", "1.1", "0.2", "1", "latest", "\u0661.\u0660"])
 def test_version_header_unsupported_raises_version_not_supported(header: str) -> None:
     with pytest.raises(VersionNotSupported) as caught:
         parse_version_header(header)
     assert caught.value.requested == header
     assert f"A2A version {header!r} is not supported" in caught.value.message
+
+
+def test_version_header_of_more_digits_than_any_version_has_is_not_supported_and_shown_cut() -> None:
+    with pytest.raises(VersionNotSupported) as caught:
+        parse_version_header("1" * 5000 + ".0")
+    assert "is not supported; send 'A2A-Version: 1.0', or no header for 0.3" in caught.value.message
+    assert len(caught.value.message) < 300
 
 
 def test_route_1_0_method_with_1_0_header() -> None:

@@ -363,6 +363,24 @@ async def test_rate_limit_asking_for_a_longer_wait_than_the_backoff_cap_is_not_w
     assert len(fake_model.bodies) == 1
 
 
+async def test_rate_limit_asking_to_wait_until_a_date_past_the_backoff_cap_is_not_waited_for(fake_model: FakeModel) -> None:
+    fake_model.default = ErrorReply(429, retry_after="Wed, 21 Oct 2099 07:28:00 GMT")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelRateLimited, match="asked to wait") as raised:
+                await client.complete(ASK)
+    assert raised.value.retry_after_s is not None and raised.value.retry_after_s > 3600 * 24 * 365
+    assert len(fake_model.bodies) == 1
+
+
+async def test_rate_limit_asking_to_wait_until_a_date_gone_by_is_retried(fake_model: FakeModel) -> None:
+    fake_model.script = [ErrorReply(429, retry_after="Sun, 06 Nov 1994 08:49:37 GMT"), Reply(text="after the limit")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            assert (await client.complete(ASK)).message.text == "after the limit"
+    assert len(fake_model.bodies) == 2
+
+
 async def test_stream_is_never_retried_after_its_first_byte(fake_model: FakeModel) -> None:
     fake_model.script = [Reply(text="half an answer, then silence", chunk_chars=4, fail_after_chunks=3), Reply(text="a second answer")]
     received: list[Delta] = []
@@ -829,9 +847,61 @@ async def test_what_a_server_says_mid_stream_is_kept_for_the_log_without_the_key
     assert "quota" not in str(raised.value)
 
 
+LONG_KEY = "sk-keel-secret-4471-abcdefghijklmnop"
+
+
+def what_a_server_said_across_the_cut(prefix: str) -> str:
+    """A server's text that repeats the key where the part kept for the log ends (2000 characters)."""
+    return "x" * (1990 - len(prefix)) + f" key {LONG_KEY} is over its quota"
+
+
+async def test_a_key_a_server_repeats_where_the_kept_part_of_its_error_body_ends_is_masked(fake_model: FakeModel) -> None:
+    fake_model.script = [ErrorReply(500, body=what_a_server_said_across_the_cut("HTTP 500: "))]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, api_key=LONG_KEY, max_retries=0)) as client:
+            with pytest.raises(ModelUnavailable) as raised:
+                await client.complete(ASK)
+    assert raised.value.detail.startswith("HTTP 500: xxx") and "sk-" not in raised.value.detail
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_key_a_server_repeats_where_the_kept_part_of_a_body_that_is_not_json_ends_is_masked(
+    nursery: trio.Nursery, streamed: bool
+) -> None:
+    said = what_a_server_said_across_the_cut("")
+    if streamed:
+        head, body = b"content-type: text/event-stream", f"data: {said}\n\n".encode()
+    else:
+        head, body = b"content-type: application/json\r\ncontent-length: %d" % len(said), said.encode()
+    url = await serve_raw(nursery, b"HTTP/1.1 200 OK\r\n" + head + b"\r\nconnection: close\r\n\r\n" + body)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, api_key=LONG_KEY, max_retries=0)) as client:
+            with pytest.raises(ModelBadResponse, match="not JSON") as raised:
+                await (read_stream(client) if streamed else client.complete(ASK))
+    assert raised.value.detail.startswith("xxx") and "sk-" not in raised.value.detail
+
+
+async def test_a_key_a_server_repeats_where_the_kept_part_of_its_error_event_ends_is_masked(nursery: trio.Nursery) -> None:
+    event = json.dumps({"error": {"message": what_a_server_said_across_the_cut('{"message": "')}})
+    url = await serve_raw(
+        nursery, b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: " + event.encode() + b"\n\n"
+    )
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, api_key=LONG_KEY, max_retries=0)) as client:
+            with pytest.raises(ModelBadResponse, match="reported an error") as raised:
+                await read_stream(client)
+    assert raised.value.detail.startswith('{"message": "xxx') and "sk-" not in raised.value.detail
+
+
 def test_the_endpoint_a_log_or_an_operator_is_shown_has_no_credentials_or_query() -> None:
     assert ModelConfig(base_url="https://bob:pa55w0rd@models.example:8443/v1?key=q-1").endpoint == "https://models.example:8443/v1"
     assert ModelConfig(base_url="http://[::1]:11434/v1").endpoint == "http://[::1]:11434/v1"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:abc/v1", "http://127.0.0.1:-1/v1"])
+def test_a_model_config_refuses_a_base_url_whose_port_is_no_port(url: str) -> None:
+    with pytest.raises(ValueError, match="port must be a whole number from 1 to 65535"):
+        ModelConfig(base_url=url)
 
 
 def test_a_model_config_refuses_url_credentials_beside_an_api_key_and_never_shows_them() -> None:

@@ -1155,3 +1155,14 @@ async def test_a_state_directory_deleted_under_the_server_acknowledges_nothing_m
     [logged] = caplog.records
     assert "tasks.db: the database file was removed or replaced while the server had it open" in logged.getMessage()
     assert len(keel.model.bodies) == 1  # nothing ran for it
+
+
+@pytest.mark.parametrize("length", ["--5", "9" * 5000])
+async def test_a_history_length_that_is_no_integer_is_invalid_params_not_an_internal_error(keel: Served, length: str) -> None:
+    error = await keel.error("GetTask", {"id": "no-such-task", "historyLength": length})
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+
+
+async def test_a_version_header_of_more_digits_than_any_version_has_is_refused_as_unsupported(keel: Served) -> None:
+    error = await keel.error("GetTask", {"id": "t"}, version="1" * 5000 + ".0")
+    assert error["code"] == -32009 and "is not supported" in error["message"]
