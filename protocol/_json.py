@@ -2,13 +2,16 @@
 
 Decoding is strict about types and lenient about unknown fields (so a newer client still gets
 through), and every error names the offending field by its full path, e.g.
-``message.parts[1].text``. JSON ``null`` counts as absent, as in ProtoJSON.
+``message.parts[1].text``. JSON ``null`` counts as absent, as in ProtoJSON. In A2A 1.0, whose JSON
+is a2a.proto's ProtoJSON, a field is also read under its proto name (``message_id`` for
+``messageId``), as ProtoJSON parsers do.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
@@ -49,18 +52,27 @@ def encode_base64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
+@functools.cache
+def proto_name(json_name: str) -> str:
+    """The proto field name behind a lowerCamelCase JSON name: ``messageId`` -> ``message_id``."""
+    return re.sub("[A-Z]", lambda upper: "_" + upper.group().lower(), json_name)
+
+
 @attrs.frozen
 class JsonReader:
-    """The fields of one JSON object, read with the object's path at hand for errors."""
+    """The fields of one JSON object, read with the object's path at hand for errors.
+
+    ``proto_names``: also read each field under its proto name (ProtoJSON, so A2A 1.0)."""
 
     obj: Mapping[str, object]
     path: str
+    proto_names: bool = False
 
     @classmethod
-    def of(cls, value: object, path: str) -> JsonReader:
+    def of(cls, value: object, path: str, *, proto_names: bool = False) -> JsonReader:
         if not isinstance(value, dict):
             raise InvalidParams(path or "params", "an object", got=value)
-        return cls(value, path)
+        return cls(value, path, proto_names)
 
     def at(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
@@ -68,6 +80,13 @@ class JsonReader:
     def value(self, key: str) -> object:
         """The raw value of ``key``, or MISSING when it is absent or null."""
         found = self.obj.get(key)
+        if self.proto_names and (alias := proto_name(key)) != key and (other := self.obj.get(alias)) is not None:
+            if found is None:
+                return other
+            if other != found:
+                raise InvalidParams(
+                    self.at(key), problem=f"is given twice, as {key!r} and as {alias!r} (its proto name), with two values; send one"
+                )
         return MISSING if found is None else found
 
     def has(self, key: str) -> bool:
@@ -127,7 +146,7 @@ class JsonReader:
         return found
 
     def child(self, key: str) -> JsonReader:
-        return JsonReader.of(self.value(key), self.at(key))
+        return JsonReader.of(self.value(key), self.at(key), proto_names=self.proto_names)
 
     def opt_child(self, key: str) -> JsonReader | None:
         return self.child(key) if self.has(key) else None

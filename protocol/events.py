@@ -30,7 +30,7 @@ class TaskStatusUpdateEvent:
 
     @classmethod
     def from_json(cls, obj: object, version: ProtocolVersion, path: str) -> TaskStatusUpdateEvent:
-        reader = JsonReader.of(obj, path)
+        reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
         if version is V03:
             reader.literal("kind", "status-update")
             reader.opt_bool("final")  # derived from the state on the way out; only its type is checked
@@ -65,7 +65,7 @@ class TaskArtifactUpdateEvent:
 
     @classmethod
     def from_json(cls, obj: object, version: ProtocolVersion, path: str) -> TaskArtifactUpdateEvent:
-        reader = JsonReader.of(obj, path)
+        reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
         if version is V03:
             reader.literal("kind", "artifact-update")
         return cls(
@@ -132,7 +132,7 @@ def stream_event_to_json(event: StreamEvent, version: ProtocolVersion) -> JsonOb
 
 def stream_event_from_json(obj: object, version: ProtocolVersion, path: str = "result") -> StreamEvent:
     """Decode a stream event or send result; raises InvalidParams naming the bad field."""
-    reader = JsonReader.of(obj, path)
+    reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
     if version is V03:
         kind = reader.value("kind")
         if not isinstance(kind, str) or kind not in _V03_KINDS:

@@ -63,7 +63,7 @@ class Message:
 
         A message needs a messageId, a role and at least one part.
         """
-        reader = JsonReader.of(obj, path)
+        reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
         if version is ProtocolVersion.V0_3:
             reader.literal("kind", "message")
         return cls(

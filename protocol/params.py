@@ -87,7 +87,7 @@ class SendMessageParams:
 
     @classmethod
     def from_json(cls, params: object, version: ProtocolVersion) -> SendMessageParams:
-        reader = JsonReader.of(params, "")
+        reader = JsonReader.of(params, "", proto_names=not version.is_legacy)
         configuration = reader.opt_child("configuration")
         message = Message.from_json(reader.value("message"), version, "message")
         _check_ids(message)
@@ -124,7 +124,7 @@ class TaskQueryParams:
 
     @classmethod
     def from_json(cls, params: object, version: ProtocolVersion) -> TaskQueryParams:
-        reader = JsonReader.of(params, "")
+        reader = JsonReader.of(params, "", proto_names=not version.is_legacy)
         return cls(
             id=reader.string("id"),
             history_length=reader.opt_int("historyLength", minimum=0),
@@ -144,7 +144,7 @@ class TaskIdParams:
 
     @classmethod
     def from_json(cls, params: object, version: ProtocolVersion) -> TaskIdParams:
-        reader = JsonReader.of(params, "")
+        reader = JsonReader.of(params, "", proto_names=not version.is_legacy)
         return cls(id=reader.string("id"), metadata=reader.opt_object("metadata"))
 
     def to_json(self, version: ProtocolVersion) -> JsonObject:
@@ -168,7 +168,7 @@ class ListTasksParams:
 
     @classmethod
     def from_json(cls, params: object, version: ProtocolVersion) -> ListTasksParams:
-        reader = JsonReader.of(params, "")
+        reader = JsonReader.of(params, "", proto_names=not version.is_legacy)
         status = None
         if reader.has("status") and reader.value("status") != UNRECOGNIZED:
             status = TaskState.from_wire(reader.value("status"), version, field="status")
@@ -215,7 +215,7 @@ class ListTasksResult:
 
     @classmethod
     def from_json(cls, obj: object, version: ProtocolVersion, path: str = "result") -> ListTasksResult:
-        reader = JsonReader.of(obj, path)
+        reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
         return cls(
             tasks=[Task.from_json(item, version, at) for at, item in reader.items("tasks")],
             next_page_token=reader.opt_string("nextPageToken") or "",

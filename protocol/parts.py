@@ -75,7 +75,7 @@ _V1_CONTENT = ("text", "raw", "url", "data")
 
 def part_from_json(obj: object, version: ProtocolVersion, path: str) -> Part:
     """Decode one part; raises InvalidParams naming ``path`` (e.g. ``message.parts[0]``)."""
-    reader = JsonReader.of(obj, path)
+    reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
     if version is V1:
         return _part_v1(reader)
     return _part_v03(reader)

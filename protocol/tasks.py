@@ -30,7 +30,7 @@ class TaskStatus:
 
     @classmethod
     def from_json(cls, obj: object, version: ProtocolVersion, path: str) -> TaskStatus:
-        reader = JsonReader.of(obj, path)
+        reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
         message = None
         if reader.has("message"):
             message = Message.from_json(reader.value("message"), version, reader.at("message"))
@@ -65,7 +65,7 @@ class Artifact:
 
     @classmethod
     def from_json(cls, obj: object, version: ProtocolVersion, path: str) -> Artifact:
-        reader = JsonReader.of(obj, path)
+        reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
         return cls(
             artifact_id=reader.string("artifactId"),
             parts=[
@@ -112,7 +112,7 @@ class Task:
     @classmethod
     def from_json(cls, obj: object, version: ProtocolVersion, path: str = "task") -> Task:
         """Decode a task; raises InvalidParams naming the first bad field under ``path``."""
-        reader = JsonReader.of(obj, path)
+        reader = JsonReader.of(obj, path, proto_names=not version.is_legacy)
         if version is V03:
             reader.literal("kind", "task")
         return cls(

@@ -39,6 +39,46 @@ def test_send_params_default_to_blocking() -> None:
     assert decoded.to_json(V1) == params
 
 
+def test_1_0_params_are_read_under_their_proto_names_too_as_protojson_parsers_do() -> None:
+    camel = {
+        "message": {
+            "messageId": "m", "role": "ROLE_USER", "parts": [{"raw": "aGk=", "mediaType": "text/plain"}],
+            "taskId": "t", "contextId": "c", "referenceTaskIds": ["r"],
+        },
+        "configuration": {"returnImmediately": True, "historyLength": 2, "acceptedOutputModes": ["text/plain"]},
+    }
+    proto = {
+        "message": {
+            "message_id": "m", "role": "ROLE_USER", "parts": [{"raw": "aGk=", "media_type": "text/plain"}],
+            "task_id": "t", "context_id": "c", "reference_task_ids": ["r"],
+        },
+        "configuration": {"return_immediately": True, "history_length": 2, "accepted_output_modes": ["text/plain"]},
+    }
+    assert SendMessageParams.from_json(proto, V1) == SendMessageParams.from_json(camel, V1)
+    assert TaskQueryParams.from_json({"id": "t", "history_length": 0}, V1).history_length == 0
+    listed = {"context_id": "c", "page_size": 1, "page_token": "p", "status_timestamp_after": "2026-11-29T22:00:00Z", "include_artifacts": True}
+    assert ListTasksParams.from_json(listed, V1) == ListTasksParams.from_json(
+        {"contextId": "c", "pageSize": 1, "pageToken": "p", "statusTimestampAfter": "2026-11-29T22:00:00Z", "includeArtifacts": True}, V1
+    )
+
+
+def test_a_1_0_field_given_under_both_its_names_with_two_values_is_refused() -> None:
+    same = {"id": "t", "historyLength": 1, "history_length": 1}
+    assert TaskQueryParams.from_json(same, V1).history_length == 1
+    assert complaint(TaskQueryParams, {"id": "t", "historyLength": 1, "history_length": 2}) == (
+        "invalid params: 'historyLength' is given twice, as 'historyLength' and as 'history_length' (its proto name),"
+        " with two values; send one"
+    )
+
+
+def test_0_3_params_are_read_under_their_json_names_only() -> None:
+    message = {"messageId": "m", "role": "user", "parts": [{"kind": "text", "text": "x"}], "task_id": "t"}
+    assert SendMessageParams.from_json({"message": message}, V03).message.task_id is None
+    assert "'message.messageId' must be a non-empty string" in complaint(
+        SendMessageParams, {"message": {"message_id": "m", "role": "user", "parts": [{"kind": "text", "text": "x"}]}}, V03
+    )
+
+
 def test_send_params_return_immediately_is_1_0_for_0_3_blocking_false() -> None:
     v1 = SendMessageParams.from_json(
         {

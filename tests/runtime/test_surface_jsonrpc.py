@@ -166,6 +166,15 @@ async def test_send_to_a_terminal_task_is_unsupported_operation(keel: Served, ve
     )
 
 
+async def test_a_1_0_client_may_name_the_task_and_context_by_their_proto_names(keel: Served) -> None:
+    keel.model.script = [Reply(text="ok"), Reply(text="again")]
+    done = await keel.send("one", version=V1)
+    error = await keel.error("SendMessage", send_params("more", V1, task_id=done["id"]), version=V1)
+    check_error(error, -32004, V1, "UNSUPPORTED_OPERATION")
+    following = await keel.result("SendMessage", send_params("next", V1, context_id=done["contextId"]), version=V1)
+    assert following["task"]["contextId"] == done["contextId"] and following["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+
+
 def file_part(raw: bytes, media_type: str, name: str, version: str | None) -> dict[str, Any]:
     encoded = base64.b64encode(raw).decode()
     if version == V1:
