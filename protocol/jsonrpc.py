@@ -160,8 +160,9 @@ def parse_request(body: bytes | str) -> JsonRpcRequest:
 
     Raises RequestRejected wrapping ParseError (-32700) for a body that is not JSON,
     InvalidRequest (-32600) for JSON that is not a request (not an object, ``jsonrpc`` other
-    than "2.0", an id that is not a string, integer or null, no method), and InvalidParams
-    (-32602) for ``params`` that are not an object. Batches are not part of A2A.
+    than "2.0", an id that is not a string, integer or null, no method, ``params`` that are
+    neither an object nor an array), and InvalidParams (-32602) for ``params`` given as an array
+    (by position: A2A's are named). Batches are not part of A2A.
     """
     try:
         obj = load_json(body)
@@ -185,8 +186,11 @@ def parse_request(body: bytes | str) -> JsonRpcRequest:
     params = obj.get("params")
     if params is None:
         params = {}
-    if not isinstance(params, dict):
+    if isinstance(params, list):  # a structured value, by position: A2A names its params
         raise RequestRejected(InvalidParams("params", "an object", got=params), request_id, known_method)
+    if not isinstance(params, dict):  # JSON-RPC 2.0 §4.2: params, when present, are structured
+        error = InvalidRequest(f"'params' must be an object (or omitted), got {describe(params)}")
+        raise RequestRejected(error, request_id, known_method)
     return JsonRpcRequest(request_id, known_method, params)
 
 

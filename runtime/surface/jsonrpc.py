@@ -27,6 +27,7 @@ from persistence.errors import DatabaseFailed, StoreClosed
 from protocol import (
     VERSION_HEADER,
     InternalError,
+    METHODS,
     InvalidRequest,
     ListTasksParams,
     Operation,
@@ -81,6 +82,17 @@ def _refusal(body: object) -> Response:
     return response
 
 
+def error_answer(body: object, method: str | None) -> Response:
+    """An error's answer: JSON, but to a 0.3 streaming method the one event of an event stream.
+    A 0.3 client takes nothing but an event stream from a streaming method (a2a-sdk 0.3 refuses
+    a JSON body before reading it), as the 0.3 reference server sends it. 1.0 clients get JSON,
+    as from every method."""
+    operation = None if method is None else METHODS[ProtocolVersion.V0_3].get(method)
+    if operation is not None and operation.streams:
+        return Response(encode_event(body), status=200, headers=dict(SSE_HEADERS))
+    return json_response(body)
+
+
 def _is_json(content_type: str | None) -> bool:
     """application/json, or a JSON-based type such as application/a2a+json. A request without
     a Content-Type is let through: its body is judged as JSON all the same."""
@@ -117,11 +129,11 @@ class JsonRpcEndpoint:
             call = parse_request(body)
         except RequestRejected as rejected:
             version = response_version(rejected.method, header)
-            return json_response(error_response(rejected.request_id, rejected.error, version))
+            return error_answer(error_response(rejected.request_id, rejected.error, version), rejected.method)
         try:
             target = route(call.method, header)
         except ProtocolError as exc:
-            return json_response(error_response(call.id, exc, response_version(call.method, header)))
+            return error_answer(error_response(call.id, exc, response_version(call.method, header)), call.method)
         return await self._dispatch(call.id, target, call.params)
 
     async def _dispatch(self, request_id: RequestId, target: Route, params: Params) -> Response:
@@ -142,13 +154,7 @@ class JsonRpcEndpoint:
         except Exception:
             logger.exception("JSON-RPC %s failed", target.method)
             error = InternalError(f"{target.method!r}")
-        body = error_response(request_id, error, target.version)
-        if target.operation.streams and target.version.is_legacy:
-            # A 0.3 client takes nothing but an event stream from a streaming method (a2a-sdk
-            # 0.3 refuses a JSON body before reading it): the error is that stream's one event,
-            # as the 0.3 reference server sends it. 1.0 clients get JSON, as from every method.
-            return Response(encode_event(body), status=200, headers=dict(SSE_HEADERS))
-        return json_response(body)
+        return error_answer(error_response(request_id, error, target.version), target.method)
 
     async def _answer(self, operation: Operation, params: Params, version: ProtocolVersion) -> object:
         if operation.is_push_config:

@@ -168,6 +168,14 @@ def test_parse_request_params_that_are_not_an_object_are_invalid_params() -> Non
     assert rejection.error.message == "invalid params: 'params' must be an object, got an array of 1 item"
 
 
+@pytest.mark.parametrize("params", ['"t-1"', "3", "true"])
+def test_parse_request_params_that_are_no_structured_value_make_no_request(params: str) -> None:
+    rejection = rejected('{"jsonrpc":"2.0","id":"x","method":"GetTask","params":' + params + "}")
+    assert isinstance(rejection.error, InvalidRequest)
+    assert (rejection.request_id, rejection.method) == ("x", "GetTask")
+    assert rejection.error.message.startswith("invalid JSON-RPC request: 'params' must be an object (or omitted), got ")
+
+
 def test_parse_request_rejection_wraps_a_protocol_error_with_its_message() -> None:
     rejection = rejected(b"{")
     assert isinstance(rejection.error, ProtocolError)

@@ -161,6 +161,32 @@ async def test_subscribe_to_a_terminal_task_is_unsupported_operation(keel: Serve
     assert done["id"] in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "version", "code"),
+    [
+        ('{"jsonrpc":"2.0","id":7,"method":"message/stream","params":"x"}', V03, -32600),
+        ('{"jsonrpc":"1.0","id":7,"method":"message/stream","params":{}}', V03, -32600),
+        ('{"jsonrpc":"2.0","id":7,"method":"tasks/resubscribe","params":["t"]}', V03, -32602),
+        ('{"jsonrpc":"2.0","id":7,"method":"tasks/resubscribe","params":{"id":"t"}}', "2.0", -32009),
+        ('{"jsonrpc":"2.0","id":7,"method":"SendStreamingMessage","params":"x"}', V1, -32600),
+    ],
+    ids=["0.3-params-a-string", "0.3-jsonrpc-1.0", "0.3-params-an-array", "0.3-version-2.0", "1.0-params-a-string"],
+)
+async def test_a_streaming_request_refused_before_it_is_routed_answers_as_its_version_does(
+    keel: Served, body: str, version: str | None, code: int
+) -> None:
+    with trio.fail_after(DEADLINE_S):
+        response = await keel.http.post(keel.rpc_path, content=body, headers=keel.headers(version))
+    if version == V1:  # 1.0: a JSON body, as every JSON-RPC error
+        assert response.headers["content-type"] == "application/json"
+        answer = response.json()
+    else:  # a 0.3 client reads nothing but an event stream from a streaming method
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.text.startswith("data: ") and response.text.endswith("\n\n")
+        answer = json.loads(response.text.removeprefix("data: "))
+    assert answer["id"] == 7 and answer["error"]["code"] == code
+
+
 @BOTH
 async def test_subscribe_to_an_unknown_task_is_task_not_found(keel: Served, version: str | None) -> None:
     assert (await keel.stream_error(SUBSCRIBE[version], {"id": "no-such-task"}, version=version))["code"] == -32001
