@@ -82,7 +82,8 @@ def part_from_json(obj: object, version: ProtocolVersion, path: str) -> Part:
 
 
 def _part_v1(reader: JsonReader) -> Part:
-    present = [key for key in _V1_CONTENT if reader.has(key)]
+    # data is a google.protobuf.Value, whose ProtoJSON null is a value (NULL_VALUE), not unset.
+    present = [key for key in _V1_CONTENT if reader.has(key) or (key == "data" and key in reader.obj)]
     if len(present) != 1:
         null = next((key for key in _V1_CONTENT if key in reader.obj and reader.obj[key] is None), None)
         if not present and null is not None:  # null reads as unset, which left the part empty
@@ -95,7 +96,7 @@ def _part_v1(reader: JsonReader) -> Part:
     if present == ["text"]:
         return TextPart(reader.text("text"), media_type, metadata)
     if present == ["data"]:
-        return DataPart(reader.value("data"), media_type, metadata)
+        return DataPart(reader.obj["data"], media_type, metadata)
     raw = reader.base64("raw") if present == ["raw"] else None
     url = reader.string("url") if present == ["url"] else None
     return FilePart(raw, url, reader.opt_string("filename"), media_type, metadata)

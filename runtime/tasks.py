@@ -37,6 +37,7 @@ from protocol import (
     TaskStatus,
     TaskStatusUpdateEvent,
     TextPart,
+    UnsupportedOperation,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,21 +125,27 @@ def agent_message(task: Task, text: str) -> Message:
 INPUT_MODES = ("text/plain", "application/json")
 
 
-def _inline_text(part: FilePart) -> bool:
-    """Whether a file part is text the agent reads: sent inline, in one of the card's input modes."""
-    return part.raw is not None and (part.media_type or "").split(";")[0].strip().lower() in INPUT_MODES
+def _text_type(part: FilePart) -> bool:
+    """Whether a file part's media type is one of the card's input modes."""
+    return (part.media_type or "").split(";")[0].strip().lower() in INPUT_MODES
 
 
 def readable_text(message: Message) -> str:
-    """A client's message as text for the model. A file part is refused (ContentTypeNotSupported)
-    unless it is inline text in one of the card's input modes: the model would never see it, and
-    an answer that silently left it out would mislead. So is a message with nothing to read
+    """A client's message as text for the model. A file part is refused unless it is inline text
+    in one of the card's input modes (ContentTypeNotSupported for another type, UnsupportedOperation
+    for a text file by URL, which the agent does not fetch): the model would never see it, and an
+    answer that silently left it out would mislead. So is a message with nothing to read
     (InvalidParams)."""
     for index, part in enumerate(message.parts):
         if not isinstance(part, FilePart):
             continue
         named = f" {part.filename!r}" if part.filename else ""
-        if _inline_text(part):
+        if _text_type(part) and part.raw is None:
+            raise UnsupportedOperation(
+                f"message.parts[{index}] is a file{named} given by URL, which this agent does not fetch; send what it"
+                " says inline (as raw bytes, or as text)"
+            )
+        if _text_type(part):
             assert part.raw is not None
             try:
                 part.raw.decode("utf-8")
@@ -168,8 +175,7 @@ def message_text(message: Message) -> str:
         if isinstance(part, TextPart):
             pieces.append(part.text)
         elif isinstance(part, FilePart):
-            if _inline_text(part):
-                assert part.raw is not None
+            if part.raw is not None and _text_type(part):
                 pieces.append(part.raw.decode("utf-8", "replace"))
         elif hasattr(part, "data"):
             pieces.append(json.dumps(part.data, ensure_ascii=False))

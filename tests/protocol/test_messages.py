@@ -114,6 +114,14 @@ def test_part_1_0_needs_exactly_one_content_field() -> None:
     )
 
 
+def test_part_1_0_data_may_be_null_a_json_value_like_any_other() -> None:
+    part = part_from_json({"data": None}, V1, "p")
+    assert part == DataPart(None)
+    assert part_from_json(part.to_json(V1), V1, "p") == part
+    with pytest.raises(InvalidParams, match="exactly one of 'text', 'raw', 'url', 'data'"):
+        part_from_json({"text": "a", "data": None}, V1, "p")
+
+
 def test_part_0_3_shapes_decode_to_each_kind() -> None:
     assert part_from_json({"kind": "data", "data": {"a": 1}}, V03, "p") == DataPart({"a": 1})
     file = {"kind": "file", "file": {"bytes": "aGk=", "name": "a.txt", "mimeType": "text/plain"}}

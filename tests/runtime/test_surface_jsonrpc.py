@@ -225,6 +225,39 @@ async def test_a_file_the_agent_cannot_read_is_refused_naming_it_and_nothing_is_
 
 
 @BOTH
+async def test_a_text_file_by_url_is_refused_as_a_fetch_the_agent_does_not_make_and_nothing_is_stored(
+    keel: Served, version: str | None
+) -> None:
+    text = {"text": "Summarise the notes."} if version == V1 else {"kind": "text", "text": "Summarise the notes."}
+    file = (
+        {"url": "https://files.example/notes.txt", "filename": "notes.txt", "mediaType": "text/plain"}
+        if version == V1
+        else {"kind": "file", "file": {"uri": "https://files.example/notes.txt", "name": "notes.txt", "mimeType": "text/plain"}}
+    )
+    error = await keel.error(SEND[version], {"message": {**message("", version), "parts": [text, file]}}, version=version)
+    check_error(error, -32004, version, "UNSUPPORTED_OPERATION")  # its type is one the agent reads
+    assert error["message"] == (
+        "message.parts[1] is a file 'notes.txt' given by URL, which this agent does not fetch; send what it says inline"
+        " (as raw bytes, or as text)"
+    )
+    assert keel.model.bodies == []
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 0
+
+
+async def test_a_1_0_data_part_may_hold_null_as_any_json_value(keel: Served) -> None:
+    keel.model.script = [Reply(text="Nothing there.")]
+    sent = {**message("", V1), "parts": [{"text": "What is in it?"}, {"data": None}]}
+    done = (await keel.result("SendMessage", {"message": sent}))["task"]
+    assert done["status"]["state"] == "TASK_STATE_COMPLETED"
+    [asked] = [m["content"] for m in keel.model.bodies[0]["messages"] if m["role"] == "user"]
+    assert asked == "What is in it?\nnull"
+    stored = await keel.result("GetTask", {"id": done["id"]})
+    assert stored["history"][0]["parts"] == [{"text": "What is in it?"}, {"data": None}]
+    legacy = await keel.result("tasks/get", {"id": done["id"]}, version=None)
+    assert legacy["history"][0]["parts"][1] == {"kind": "data", "data": {"value": None}}
+
+
+@BOTH
 @pytest.mark.parametrize("streaming", [False, True], ids=["send", "stream"])
 async def test_a_send_asking_for_push_notifications_is_refused_and_starts_nothing(
     keel: Served, version: str | None, streaming: bool
