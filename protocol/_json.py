@@ -134,6 +134,8 @@ class JsonReader:
         low_ok = number is not None and (minimum is None or number >= minimum)
         if number is None or not low_ok or (maximum is not None and number > maximum):
             raise InvalidParams(self.at(key), _int_expectation(minimum, maximum), got=found)
+        if abs(number) > INT32_MAX:  # every integer A2A has is an int32
+            raise InvalidParams(self.at(key), problem=f"is {number}, more than an int32 holds (at most {INT32_MAX})")
         return number
 
     def opt_object(self, key: str) -> JsonObject | None:
@@ -195,7 +197,9 @@ class JsonReader:
         raise InvalidParams(self.at(key), "a base64 string", got=found)
 
 
+INT32_MAX = 2**31 - 1
 _DECIMAL = re.compile(r"-?[0-9]{1,20}")  # int64 and uint64 need at most 20 digits
+_EXPONENT = re.compile(r"-?[0-9]{1,20}(?:\.[0-9]{1,20})?[eE][+-]?[0-9]{1,3}")
 
 
 def _as_int(value: object) -> int | None:
@@ -207,6 +211,8 @@ def _as_int(value: object) -> int | None:
         return int(value)
     if isinstance(value, str) and _DECIMAL.fullmatch(value):
         return int(value)
+    if isinstance(value, str) and _EXPONENT.fullmatch(value):  # "1e2": ProtoJSON takes it quoted too
+        return _as_int(float(value))
     return None
 
 

@@ -172,6 +172,8 @@ def test_task_query_params_keep_history_length_presence() -> None:
     # ProtoJSON reads a number with no fraction as an integer, however it is written.
     assert TaskQueryParams.from_json({"id": "t", "historyLength": 3.0}, V1).history_length == 3
     assert TaskQueryParams.from_json({"id": "t", "historyLength": 1e2}, V1).history_length == 100
+    assert TaskQueryParams.from_json({"id": "t", "historyLength": "1e2"}, V1).history_length == 100  # quoted too
+    assert TaskQueryParams.from_json({"id": "t", "historyLength": "2.5E1"}, V1).history_length == 25
 
 
 @pytest.mark.parametrize(
@@ -183,6 +185,9 @@ def test_task_query_params_keep_history_length_presence() -> None:
         ({"id": "t", "historyLength": True}, "'historyLength' must be a non-negative integer, got boolean true"),
         ({"id": "t", "historyLength": 1.5}, "'historyLength' must be a non-negative integer, got number 1.5"),
         ({"id": "t", "historyLength": "--5"}, "'historyLength' must be a non-negative integer, got string '--5'"),
+        ({"id": "t", "historyLength": "1.5e0"}, "'historyLength' must be a non-negative integer, got string '1.5e0'"),
+        ({"id": "t", "historyLength": "1e999"}, "'historyLength' must be a non-negative integer, got string '1e999'"),
+        ({"id": "t", "historyLength": 2**40}, "'historyLength' is 1099511627776, more than an int32 holds (at most 2147483647)"),
     ],
 )
 def test_task_query_params_bad_fields_are_named(params: Any, message: str) -> None:
