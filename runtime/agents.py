@@ -31,14 +31,13 @@ CLOCK = Tool(
 
 
 def default_agent(*, max_model_calls: int) -> AgentSpec:
-    # steer_continuations=1: a steer that arrives while the answer is being written still
-    # gets one more step (within the budget) rather than being left for the next turn.
+    # The runner gives a steer that arrives while the answer is being written one more round,
+    # as often as the budget allows (see Runner.agent); a library caller chooses its own.
     return AgentSpec(
         system_prompt=SYSTEM_PROMPT,
         tools=(CLOCK,),
         max_steps=max_model_calls,
         max_model_calls=max_model_calls,
-        steer_continuations=1,
     )
 
 

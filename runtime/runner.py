@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 
 import attrs
 import trio
@@ -129,6 +129,14 @@ class RunnerConfig:
     cleanup_timeout_s: float = 5.0
 
 
+def _taking_every_steer(agent: AgentSpec) -> AgentSpec:
+    """``agent`` with as many steer continuations as its budget has calls. A steer the runner
+    accepted must ride a request: one that arrives while an answer is written gets another
+    round, within the budget, and one too late for the budget's last request is refused (see
+    SteerGate), not left untaken."""
+    return attrs.evolve(agent, steer_continuations=max(agent.steer_continuations, agent.max_model_calls))
+
+
 @attrs.define(eq=False)
 class Runner:
     """Start it with ``runner = await nursery.start(Runner(...).run)``; stop it with ``stop()``."""
@@ -136,7 +144,7 @@ class Runner:
     sessions: SessionStore
     tasks: TaskStore
     model: Model
-    agent: AgentSpec
+    agent: AgentSpec = attrs.field(converter=_taking_every_steer)
     config: RunnerConfig = RunnerConfig()
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _live: dict[str, LiveTask] = attrs.field(init=False, factory=dict)
@@ -382,8 +390,16 @@ class Runner:
                 "a new message needs a new messageId",
             )
         message = attrs.evolve(message, context_id=task.context_id)
+        # Whether the run can still take a steer is decided, and the steer stored, holding the
+        # run's gate: a steer is either stored before the run's last look for steers, or refused.
+        async with live.steers.lock if live is not None else nullcontext():
+            return await self._steer(owner, task, version, message, live)
+
+    async def _steer(self, owner: str, task: Task, version: int, message: Message, live: LiveTask | None) -> Task:
+        task_id = task.id
         state = task.status.state
-        ending = live is not None and live.turn_over and not state.is_terminal  # its end not yet written
+        # Its run can take no more steers (its end not yet written, or its last answer on its way).
+        ending = live is not None and (live.turn_over or live.steers.closed) and not state.is_terminal
         ahead = None if state.is_terminal or live is None or live.in_turn or ending else self._turn_holder(task.context_id)
         if state.is_terminal or ending or ahead is not None:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
@@ -399,8 +415,8 @@ class Runner:
             )  # fmt: skip
         if ending:
             raise UnsupportedOperation(
-                f"task {task_id!r} has finished its run, and its end is being recorded; send this message without a "
-                "taskId, in the same contextId, to start the conversation's next task"
+                f"task {task_id!r} takes no more messages: its run is giving, or has given, its last answer; send this"
+                " message without a taskId, in the same contextId, to start the conversation's next task"
             )
         if ahead is not None:
             # Stored for the conversation, it would steer the run that holds the turn, not this task.
@@ -664,8 +680,9 @@ class Runner:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(working.write)
                 run = AgentRun(
-                    self.model, self.agent, messages, session=session, on_event=_answer_streamer(live), ready=working.wait
-                )
+                    self.model, self.agent, messages, session=session, on_event=_answer_streamer(live), ready=working.wait,
+                    gate=live.steers,
+                )  # fmt: skip
                 try:
                     result = await run.run()
                 except (AgentError, ModelError) as exc:

@@ -39,6 +39,7 @@ from protocol import (
     TextPart,
     UnsupportedOperation,
 )
+from runtime.agent import SteerGate
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ class LiveTask:
     end_stored: bool = True  # False once the run's final state could not be written
     in_turn: bool = False  # its run holds its conversation's turn (other tasks of it wait)
     turn_over: bool = False  # its run has let the turn go: it is ending (its end being written)
+    steers: SteerGate = attrs.field(factory=SteerGate)  # where its run and the steers sent to it meet
     # Each subscriber's receive side -> its send side, so that leaving drops both at once.
     _subscribers: dict[trio.MemoryReceiveChannel[StreamItem], trio.MemorySendChannel[StreamItem]] = attrs.field(
         init=False, factory=dict

@@ -2,12 +2,13 @@
 
 from runtime.agent.errors import AgentError, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, RunFinished, SaveFailed
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
-from runtime.agent.loop import AgentRun, AgentSpec, Model, Result
+from runtime.agent.loop import AgentRun, AgentSpec, Model, Result, SteerGate
 from runtime.agent.steers import STEER_LABEL
 from runtime.agent.tools import Tool
 
 __all__ = [
     "STEER_LABEL",
+    "SteerGate",
     "AgentError",
     "AgentEvent",
     "AgentRun",

@@ -100,6 +100,20 @@ def _ignore(_event: AgentEvent) -> None:
 
 
 @attrs.define(eq=False)
+class SteerGate:
+    """Where a run's looks for steers meet the steers its caller accepts for it.
+
+    The caller accepts a steer (stores it for the session) only holding ``lock``, and only while
+    the gate is open. The run takes its steers holding the lock too, and closes the gate at its
+    last look: the one no model request but the budget's last, or none at all, follows. A steer
+    accepted is then one a request carries; one that comes later is refused, not left behind.
+    """
+
+    lock: trio.Lock = attrs.field(factory=trio.Lock)
+    closed: bool = False
+
+
+@attrs.define(eq=False)
 class AgentRun:
     """One turn of the agent. ``await run.run()`` runs it in the caller's task and cancel scope;
     ``run.steer(text)`` may be called from any task of the process meanwhile.
@@ -121,6 +135,8 @@ class AgentRun:
     # be true before the model is asked, done meanwhile by the caller (the runner: the task's
     # WORKING state, written to its own database while the transcript is saved to this one).
     ready: Callable[[], Awaitable[object]] | None = None
+    # Given by a caller that accepts steers for this run (see SteerGate); the run closes it.
+    gate: SteerGate | None = None
     _box: SteerBox = attrs.field(init=False, factory=SteerBox)
     _unapplied: list[str] = attrs.field(init=False, factory=list)  # see unapplied_steers
     _calls: int = attrs.field(init=False, default=0)
@@ -185,7 +201,7 @@ class AgentRun:
         steps = continuations = 0
         # A run resumed from a session's stored messages starts here; if a process died during
         # a step, the transcript ends where that step began, and the step is done again (_ask).
-        await self._prepare_request()
+        await self._look()
         if self.ready is not None:
             await self.ready()
         while True:
@@ -195,19 +211,34 @@ class AgentRun:
             if answer.tool_calls:
                 await self._call_tools(tools, answer.tool_calls)
                 self._check_limits(steps)
-                await self._prepare_request()
+                await self._look()
             # A steer that arrived while the answer was being written has had no request to ride.
             # With a continuation (and budget) left, it is placed after the answer and the model
             # is asked once more; otherwise it is handed back in Result.unapplied_steers.
             elif (
                 continuations < self.spec.steer_continuations
                 and self._calls < self.spec.max_model_calls
-                and await self._prepare_request("saving the answer", before_model=False)
+                and await self._look("saving the answer", before_model=False)
             ):
                 continuations += 1
                 steps = 0
             else:
+                if self.gate is not None:  # closed already, unless the continuations ran out first
+                    async with self.gate.lock:
+                        self.gate.closed = True
                 return
+
+    async def _look(self, what: str = _SAVING, *, before_model: bool = True) -> bool:
+        """_prepare_request, holding the gate's lock if there is a gate, and closing it when no
+        request can carry a steer accepted after this look: none follows (no steer was found
+        after the answer), or only the budget's last one does."""
+        if self.gate is None:
+            return await self._prepare_request(what, before_model=before_model)
+        async with self.gate.lock:
+            found = await self._prepare_request(what, before_model=before_model)
+            if not (before_model or found) or self._calls + 1 >= self.spec.max_model_calls:
+                self.gate.closed = True
+            return found
 
     def _check_limits(self, steps: int) -> None:
         # The budget is checked first: with both limits at their defaults, a runaway turn is

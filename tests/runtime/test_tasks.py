@@ -248,7 +248,7 @@ async def test_a_message_to_a_task_whose_run_is_over_but_whose_end_is_not_stored
         with pytest.raises(UnsupportedOperation) as refused:
             await runner.send(ANONYMOUS, SendMessageParams(message=steer))
         assert await sessions.take_steers(task.context_id) == []  # not left for the conversation's next turn
-    assert task.id in refused.value.message and "finished its run" in refused.value.message
+    assert task.id in refused.value.message and "takes no more messages" in refused.value.message
     assert "has not started" not in refused.value.message
 
 

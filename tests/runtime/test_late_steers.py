@@ -1,0 +1,154 @@
+"""Steers that come while an answer is being written, or as a run ends: a steer the runner
+accepts is carried by a model request, however late it came; one too late for any is refused
+with a reason, never acknowledged and left untaken. Real SQLite stores, an in-process model."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from persistence.api import SessionStore
+from persistence.sessions import SqliteSessionStore, open_session_store
+from persistence.tasks import open_task_store
+from persistence.transcript import Message as Transcribed
+from protocol import Message, Role, SendMessageParams, Task, TaskState, TextPart, UnsupportedOperation
+from runtime.agent import STEER_LABEL, AgentSpec
+from runtime.runner import ANONYMOUS, Runner
+from runtime.tasks import new_id
+from tests.runtime.agent_support import Answer, ScriptedModel
+
+DEADLINE_S = 10.0
+
+
+def ask(text: str, *, task: Task | None = None) -> SendMessageParams:
+    message = Message(message_id=new_id(), role=Role.USER, parts=(TextPart(text),))
+    if task is not None:
+        message = Message(message_id=message.message_id, role=Role.USER, parts=message.parts, task_id=task.id)
+    return SendMessageParams(message=message)
+
+
+@asynccontextmanager
+async def runner_over(state: Path, model: ScriptedModel, agent: AgentSpec) -> AsyncIterator[Runner]:
+    async with (
+        open_session_store(state / "runtime.db") as sessions,
+        open_task_store(state / "tasks.db") as tasks,
+        trio.open_nursery() as nursery,
+    ):
+        runner: Runner = await nursery.start(Runner(sessions, tasks, model, agent).run)
+        yield runner
+        runner.stop()
+
+
+async def asked(model: ScriptedModel, requests: int) -> None:
+    """Until the model has been sent ``requests`` requests (the last one waits on its hold)."""
+    while len(model.requests) < requests:
+        await trio.testing.wait_all_tasks_blocked()
+
+
+def steers_left(state: Path) -> int:
+    with sqlite3.connect(f"file:{state / 'runtime.db'}?mode=ro", uri=True) as db:
+        return int(db.execute("SELECT count(*) FROM steers").fetchone()[0])
+
+
+async def test_a_steer_during_each_answer_gets_a_round_of_its_own_not_only_the_first(tmp_path: Path) -> None:
+    first, second = trio.Event(), trio.Event()
+    model = ScriptedModel([Answer("The lease expired.", hold=first), Answer("Staging too.", hold=second), Answer("All three.")])
+    with trio.fail_after(DEADLINE_S):
+        async with runner_over(tmp_path, model, AgentSpec()) as runner:
+            task = await runner.send(ANONYMOUS, ask("Which leases expired?"))
+            await asked(model, 1)
+            await runner.send(ANONYMOUS, ask("also check staging", task=task))
+            first.set()  # the answer ends with a steer waiting: one more round
+            await asked(model, 2)
+            steered = await runner.send(ANONYMOUS, ask("and production", task=task))
+            assert steered.status.state is TaskState.WORKING
+            second.set()  # and again: the steer is not acknowledged and then dropped
+            done = await runner.wait_settled(ANONYMOUS, task.id)
+    assert len(model.requests) == 3
+    assert model.requests[2].messages[-1].text == STEER_LABEL + "and production"
+    assert done.status.state is TaskState.COMPLETED and done.history[-1].parts == (TextPart("All three."),)
+    assert steers_left(tmp_path) == 0
+
+
+async def test_a_steer_too_late_for_the_budgets_last_request_is_refused_not_left_untaken(tmp_path: Path) -> None:
+    first, last = trio.Event(), trio.Event()
+    model = ScriptedModel([Answer("The lease expired.", hold=first), Answer("Staging too.", hold=last)])
+    with trio.fail_after(DEADLINE_S):
+        async with runner_over(tmp_path, model, AgentSpec(max_model_calls=2)) as runner:
+            task = await runner.send(ANONYMOUS, ask("Which leases expired?"))
+            await asked(model, 1)
+            await runner.send(ANONYMOUS, ask("also check staging", task=task))
+            first.set()
+            await asked(model, 2)  # the budget's last request: nothing after it can carry a steer
+            with pytest.raises(UnsupportedOperation) as refused:
+                await runner.send(ANONYMOUS, ask("and production", task=task))
+            last.set()
+            done = await runner.wait_settled(ANONYMOUS, task.id)
+    assert refused.value.message == (
+        f"task {task.id!r} takes no more messages: its run is giving, or has given, its last answer; send this message"
+        " without a taskId, in the same contextId, to start the conversation's next task"
+    )
+    assert done.status.state is TaskState.COMPLETED
+    assert [part.text for m in done.history for part in m.parts if isinstance(part, TextPart)] == [
+        "Which leases expired?", "also check staging", "Staging too."
+    ]  # fmt: skip
+    assert steers_left(tmp_path) == 0
+
+
+@attrs.define(eq=False)
+class LastLookHeld:
+    """A session store whose look for steers after an answer (the run's last, if it finds none)
+    waits for ``release`` once it has taken them: the moment a late steer used to slip into."""
+
+    store: SqliteSessionStore
+    entered: trio.Event = attrs.field(factory=trio.Event)
+    release: trio.Event = attrs.field(factory=trio.Event)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def save_and_take_steers(self, session_id: str, messages: Sequence[Transcribed], **options: Any) -> list[str]:
+        taken = await self.store.save_and_take_steers(session_id, messages, **options)
+        if messages[-1].role == "assistant":
+            self.entered.set()
+            await self.release.wait()
+        return taken
+
+
+async def test_a_steer_sent_during_the_runs_last_look_is_refused_not_left_untaken(tmp_path: Path) -> None:
+    model = ScriptedModel([Answer("The lease expired.")])
+    said: list[str] = []
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_session_store(tmp_path / "runtime.db") as store,
+            open_task_store(tmp_path / "tasks.db") as tasks,
+            trio.open_nursery() as nursery,
+        ):
+            sessions = LastLookHeld(store)
+            runner: Runner = await nursery.start(Runner(cast(SessionStore, sessions), tasks, model, AgentSpec()).run)
+            task = await runner.send(ANONYMOUS, ask("Which leases expired?"))
+            await sessions.entered.wait()  # the look has taken what was there: nothing
+
+            async def steer() -> None:
+                try:
+                    await runner.send(ANONYMOUS, ask("also check staging", task=task))
+                    said.append("accepted")
+                except UnsupportedOperation as exc:
+                    said.append(exc.message)
+
+            nursery.start_soon(steer)
+            await trio.testing.wait_all_tasks_blocked()
+            sessions.release.set()
+            done = await runner.wait_settled(ANONYMOUS, task.id)
+            runner.stop()
+    assert len(said) == 1 and said[0].startswith(f"task {task.id!r} takes no more messages: its run is giving")
+    assert done.status.state is TaskState.COMPLETED and len(done.history) == 2
+    assert steers_left(tmp_path) == 0
