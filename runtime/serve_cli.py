@@ -117,14 +117,15 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 async def _main(config: Config, **options: Any) -> None:
     from runtime.server import serve  # imported here: `check` must work without the server's imports
 
-    shutdown, hurry, serving = trio.Event(), trio.Event(), trio.Event()
+    shutdown, hurry, serving, stopped = trio.Event(), trio.Event(), trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, shutdown, hurry, nursery.cancel_scope, serving)
+        nursery.start_soon(_watch_signals, shutdown, hurry, nursery.cancel_scope, serving, stopped)
 
         async def server(*, task_status: trio.TaskStatus[Any]) -> None:
             try:
                 await serve(config, shutdown, hurry=hurry, task_status=task_status, **options)
             finally:
+                stopped.set()
                 nursery.cancel_scope.cancel()  # the signal watcher is all that is left
 
         started = await nursery.start(server)
@@ -148,12 +149,21 @@ def _tune_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
 
 
+# After a third signal, how long the server may take to stop once cancelled before the process
+# exits without it: only a write to a client that has stopped reading takes longer (hypercorn's
+# writes are shielded from cancellation), and the third signal is not to wait for that.
+HARD_STOP_S = 1.0
+HARD_STOP_EXIT = 1
+
+
 async def _watch_signals(
-    shutdown: trio.Event, hurry: trio.Event, scope: trio.CancelScope, serving: trio.Event
+    shutdown: trio.Event, hurry: trio.Event, scope: trio.CancelScope, serving: trio.Event, stopped: trio.Event
 ) -> None:
     """Before the server serves, SIGTERM or SIGINT ends the start at once. Then the first starts
     a graceful shutdown; a second cancels the runs at once (their clients are still answered);
-    a third stops at once."""
+    a third stops at once: the server is cancelled, and if it has not stopped within
+    HARD_STOP_S, held by a client that takes nothing, the process exits without it, as after
+    a crash (every state written is durable; the next process resumes the rest)."""
     log = logging.getLogger(__name__)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
@@ -164,6 +174,13 @@ async def _watch_signals(
             elif hurry.is_set():
                 log.warning("third %s: stopping now", name)
                 scope.cancel()
+                with trio.move_on_after(HARD_STOP_S, shield=True):
+                    await stopped.wait()
+                if not stopped.is_set():
+                    log.error("the server did not stop within %g s (a client that takes nothing): exiting without it", HARD_STOP_S)
+                    logging.shutdown()
+                    sys.stdout.flush()
+                    os._exit(HARD_STOP_EXIT)
             elif shutdown.is_set():
                 log.warning("second %s: canceling the runs now; a third stops at once", name)
                 hurry.set()

@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +24,7 @@ from persistence.journal import JOURNAL_NAME
 from persistence.statedir import GENERATION_LOCK_NAME
 from tests.e2e.harness import (
     STARTUP_DEADLINE_S,
+    KeelProcess,
     child_env,
     keel_process,
     rpc,
@@ -251,33 +254,67 @@ async def test_sigterm_drains_the_running_task_then_exits_zero(
     assert cut == (settled == "TASK_STATE_CANCELED")
 
 
+@asynccontextmanager
+async def a_client_that_stopped_reading(keel: KeelProcess) -> AsyncIterator[str]:
+    """A stream whose client reads its first event (the task, whose id this yields), then
+    nothing: once the sockets between server and client are full (the answer the test scripts
+    streams far more than they hold: its events take many times the text's size), the server's
+    write to it blocks."""
+    url = urlsplit(keel.url)
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage", "params": {"message": user_message("go")}}).encode()
+    request = (
+        f"POST {url.path or '/'} HTTP/1.1\r\nHost: {url.netloc}\r\nA2A-Version: 1.0\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    assert url.hostname is not None and url.port is not None
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers
+    await sock.connect((url.hostname, url.port))
+    async with trio.SocketStream(sock) as stalled:
+        await stalled.send_all(request)
+        first = b""
+        while b"\n\n" not in first.partition(b"data: ")[2]:  # the stream's first event, the task
+            first += await stalled.receive_some(65536)
+        yield json.loads(first.partition(b"data: ")[2].split(b"\n", 1)[0])["result"]["task"]["id"]
+
+
 async def test_sigterm_stops_the_server_while_a_client_has_stopped_reading_its_stream(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
     # hypercorn's writes are shielded and unbounded: once the sockets between server and client
-    # are full (this answer streams far more than they hold), only the send timeout, which has
-    # the kernel close the connection, frees the request that SIGTERM's shutdown waits for.
+    # are full, only the send timeout, which has the kernel close the connection, frees the
+    # request that SIGTERM's shutdown waits for.
     fake_model.script = [Reply(text="x" * 400_000, chunk_chars=32)]
     state = tmp_path / "state"
-    async with keel_process(state, fake_model.base_url, "--send-timeout-s", "2") as keel:
-        url = urlsplit(keel.url)
-        body = json.dumps(
-            {"jsonrpc": "2.0", "id": 1, "method": "SendStreamingMessage", "params": {"message": user_message("go")}}
-        ).encode()
-        request = (
-            f"POST {url.path or '/'} HTTP/1.1\r\nHost: {url.netloc}\r\nA2A-Version: 1.0\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode() + body
-        assert url.hostname is not None and url.port is not None
-        async with await trio.open_tcp_stream(url.hostname, url.port) as stalled:
-            await stalled.send_all(request)
-            first = b""
-            while b"\n\n" not in first.partition(b"data: ")[2]:  # the stream's first event, the task
-                first += await stalled.receive_some(65536)
-            # From here on the client reads nothing.
-            task_id = json.loads(first.partition(b"data: ")[2].split(b"\n", 1)[0])["result"]["task"]["id"]
-            await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"], deadline_s=60)
-            assert await keel.terminate() == 0  # within the harness's bound; it hung before
+    async with (
+        keel_process(state, fake_model.base_url, "--send-timeout-s", "2") as keel,
+        a_client_that_stopped_reading(keel) as task_id,
+    ):
+        await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"], deadline_s=60)
+        assert await keel.terminate() == 0  # within the harness's bound; it hung before
+
+
+async def test_a_third_sigterm_stops_the_process_though_a_client_that_stopped_reading_holds_the_server(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    fake_model.script = [Reply(text="x" * 400_000, chunk_chars=4)]  # about 17 MB of events
+    state = tmp_path / "state"
+    async with (
+        keel_process(state, fake_model.base_url, "--send-timeout-s", "600") as keel,
+        a_client_that_stopped_reading(keel) as task_id,
+    ):
+        await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"], deadline_s=60)
+        for said in (b"shutting down", b"second SIGTERM", b"third SIGTERM"):
+            keel.process.send_signal(signal.SIGTERM)  # one at a time: signals sent together may merge
+            with trio.fail_after(10):
+                while said not in keel.output:
+                    await trio.sleep(0.01)
+        start = trio.current_time()
+        assert await keel.wait() == 1  # not the send timeout's 600 s
+        assert trio.current_time() - start < 10
+    assert "the server did not stop within 1 s (a client that takes nothing): exiting without it" in keel.output.decode()
+    stored = stored_task(state, task_id)
+    assert stored is not None and stored[0] == "TASK_STATE_COMPLETED"
 
 
 async def test_a_second_sigterm_cancels_the_runs_at_once_and_the_clients_waiting_get_their_answers(
