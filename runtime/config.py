@@ -61,6 +61,9 @@ class Setting:
     probe: Callable[[Any], None] | None = None
 
 
+MAX_COUNT = 1_000_000  # far past any sensible count of model calls or connections
+
+
 def _whole(text: str, low: int, high: int, what: str) -> int:
     try:
         value = int(text.strip())
@@ -76,7 +79,7 @@ def _port(text: str) -> int:
 
 
 def _positive_int(text: str) -> int:
-    return _whole(text, 1, 1_000_000, "it must be a whole number of at least 1")
+    return _whole(text, 1, MAX_COUNT, f"it must be a whole number from 1 to {MAX_COUNT}")
 
 
 def _positive_float(text: str) -> float:

@@ -330,7 +330,7 @@ class _HttpConfig(hypercorn.Config):
         if not hasattr(socket, "TCP_USER_TIMEOUT"):
             logger.warning("this platform has no TCP_USER_TIMEOUT: a client that stops reading keeps its connection")
             return sockets
-        milliseconds = min(max(1, round(self.send_timeout_s * 1000)), 2**31 - 1)  # what the option holds
+        milliseconds = max(1, round(min(self.send_timeout_s * 1000, 2**31 - 1)))  # what the option holds
         for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)

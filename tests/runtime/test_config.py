@@ -51,6 +51,13 @@ def test_config_reports_every_problem_at_once_and_hides_secrets() -> None:
     assert "AGENT_MODEL_API_KEY=(hidden)" in text
 
 
+@pytest.mark.parametrize("given", ["0", "1000001", "many"])
+def test_a_count_out_of_range_is_refused_naming_the_range(given: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MAX_MODEL_CALLS": given})
+    assert f"AGENT_MAX_MODEL_CALLS={given!r} is not valid: it must be a whole number from 1 to 1000000" in str(caught.value)
+
+
 @pytest.mark.parametrize("given", ["inf", "nan", "-1", "0", "soon"])
 def test_a_timeout_must_be_a_finite_number_of_seconds_and_says_so(given: str) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -51,6 +51,14 @@ def test_an_address_a_server_still_starting_has_taken_is_refused_to_a_second() -
     second.release_address()
 
 
+@pytest.mark.parametrize(("given", "milliseconds"), [("1e306", 2**31 - 1), ("0.0001", 1), ("2.5", 2500)])
+def test_any_send_timeout_check_accepts_is_one_the_listening_socket_takes(given: str, milliseconds: int) -> None:
+    http = _http_config(Config.load({"AGENT_PORT": "0", "AGENT_SEND_TIMEOUT_S": given}))
+    [listening] = http.create_sockets().insecure_sockets
+    with listening:
+        assert listening.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == milliseconds
+
+
 @pytest.mark.parametrize(
     ("command", "usage"),
     [(["check"], "python -m runtime check"), (["serve"], "python -m runtime serve"), (["state", "reset"], "python -m runtime state reset")],
