@@ -14,6 +14,7 @@ import email.utils
 import json
 import logging
 import math
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -275,7 +276,7 @@ class ModelClient:
 
     async def list_models(self) -> tuple[str, ...]:
         """The ids in the server's catalog (``GET {base}/models``). Raises a ModelError subclass."""
-        response = await self._open("GET", "models", None, accept="application/json")
+        response = await self._open("GET", "models", None, accept="application/json", waiting_for="the catalog")
         data = await self._read_json(response)
         entries = data.get("data") if isinstance(data, dict) else None
         if not isinstance(entries, list):
@@ -292,8 +293,11 @@ class ModelClient:
         models = await self.list_models()
         return wanted in models or (":" not in wanted and f"{wanted}:latest" in models)
 
-    async def _open(self, method: str, path: str, body: dict[str, Any] | None, *, accept: str) -> httpx.Response:
-        """Send with retries; returns a 2xx response whose body is unread. The caller closes it."""
+    async def _open(
+        self, method: str, path: str, body: dict[str, Any] | None, *, accept: str, waiting_for: str = "the answer to start"
+    ) -> httpx.Response:
+        """Send with retries; returns a 2xx response whose body is unread. The caller closes it.
+        ``waiting_for``: what a timeout says it waited for."""
         url = self.config.url(path)
         # No bound on the wait for one of the pool's connections: with max_connections calls
         # already open (a slow local model holds each for its whole answer), a call waits its
@@ -310,7 +314,7 @@ class ModelClient:
                 request.stream = _Body(request.content)
                 response = await self._http.send(request, stream=True)
             except httpx.RequestError as exc:
-                failure = self._failure_to_send(exc, attempt)
+                failure = self._failure_to_send(exc, attempt, waiting_for)
             else:
                 if response.is_success:
                     return response
@@ -338,7 +342,7 @@ class ModelClient:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         return headers
 
-    def _failure_to_send(self, exc: httpx.RequestError, attempt: int) -> _Failure:
+    def _failure_to_send(self, exc: httpx.RequestError, attempt: int, waiting_for: str) -> _Failure:
         """Errors before any response: the server has produced nothing, so retrying is safe."""
         model, detail = self.config.model, self._detail(exc)
         if isinstance(exc, httpx.ConnectTimeout):
@@ -346,8 +350,11 @@ class ModelClient:
             return _Failure(error, retry=True)
         if isinstance(exc, httpx.TimeoutException):
             # The server took the request and is slow to answer it; asking again would only add load.
-            error = ModelTimeout(model, "the answer to start", self.config.read_timeout_s, detail=detail, attempts=attempt)
+            error = ModelTimeout(model, waiting_for, self.config.read_timeout_s, detail=detail, attempts=attempt)
             return _Failure(error, retry=False)
+        tls = _tls_failure(exc)
+        if tls is not None:  # a matter of settings or certificates: trying again changes nothing
+            return _Failure(ModelUnavailable(model, tls, detail=detail, attempts=attempt), retry=False)
         if isinstance(exc, httpx.ConnectError):
             return _Failure(ModelUnavailable(model, "the model server cannot be reached", detail=detail, attempts=attempt), retry=True)
         if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
@@ -423,7 +430,8 @@ class ModelClient:
         return ModelUnavailable(model, f"the connection broke {where}", detail=detail)
 
     def _detail(self, exc: Exception) -> str:
-        return self._scrub(f"{type(exc).__name__}: {exc}")
+        """What the transport said, with what caused it (httpx's own words are often empty)."""
+        return self._scrub("; from ".join(f"{type(link).__name__}: {link}" for link in _causes(exc)))
 
     def _credentials_sent(self) -> str | None:
         if self.config.api_key:
@@ -492,6 +500,31 @@ async def _unwind(chunks: AsyncIterator[bytes]) -> None:
                 pass
         except httpx.RequestError:
             pass  # the caller has left this body; how its last bytes failed is no one's concern
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what caused it, outermost first (at most a few links)."""
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and link not in chain and len(chain) < 4:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    return chain
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    """Why a TLS handshake failed, in words for a client and what to change, or None."""
+    for link in _causes(exc):
+        if isinstance(link, ssl.SSLCertVerificationError):
+            return (
+                "its TLS certificate is not trusted here; give the server a certificate this machine trusts"
+                " (or add its authority to the system's trust store)"
+            )
+        if isinstance(link, ssl.SSLError):
+            if link.reason == "WRONG_VERSION_NUMBER":
+                return "it does not speak TLS at that address; check http:// or https:// in AGENT_MODEL_BASE_URL"
+            return "the TLS handshake with it failed"
+    return None
 
 
 def _retry_after_s(value: str | None) -> float | None:

@@ -893,6 +893,25 @@ async def test_a_key_a_server_repeats_where_the_kept_part_of_its_error_event_end
     assert raised.value.detail.startswith('{"message": "xxx') and "sk-" not in raised.value.detail
 
 
+async def test_https_to_a_server_that_speaks_plain_http_says_so_and_is_not_retried(fake_model: FakeModel) -> None:
+    url = fake_model.base_url.replace("http://", "https://")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=3, backoff_base_s=5.0)) as client:
+            with pytest.raises(ModelUnavailable) as raised:
+                await client.complete(ASK)
+    assert raised.value.reason == "it does not speak TLS at that address; check http:// or https:// in AGENT_MODEL_BASE_URL"
+    assert raised.value.attempts == 1
+    assert "SSLError" in raised.value.detail and "WRONG_VERSION_NUMBER" in raised.value.detail  # for the log
+
+
+async def test_a_catalog_that_never_comes_is_a_timeout_waiting_for_the_catalog(nursery: trio.Nursery) -> None:
+    url = await serve_raw(nursery, b"")  # takes the request, answers nothing
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, read_timeout_s=0.2)) as client:
+            with pytest.raises(ModelTimeout, match="nothing arrived within 0.2s while waiting for the catalog"):
+                await client.has_model()
+
+
 def test_the_endpoint_a_log_or_an_operator_is_shown_has_no_credentials_or_query() -> None:
     assert ModelConfig(base_url="https://bob:pa55w0rd@models.example:8443/v1?key=q-1").endpoint == "https://models.example:8443/v1"
     assert ModelConfig(base_url="http://[::1]:11434/v1").endpoint == "http://[::1]:11434/v1"
