@@ -132,7 +132,10 @@ class Health:
         if free < self.min_free_bytes:
             # An empty file can still be made on a full disk; a task or an answer cannot be stored.
             logger.warning("readiness: the state directory %s has %d bytes free", self.state_dir, free)
-            return f"state directory is nearly full: {free} bytes free"
+            return (
+                f"state directory is nearly full: {free} bytes free, under the {self.min_free_bytes} a turn may need;"
+                " free space on its disk, or give the server a state directory on one with room"
+            )
         return None
 
     async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:
