@@ -28,6 +28,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -41,6 +42,8 @@ import attrs
 
 from persistence.errors import StoreError
 from persistence.schema import KEEL_SCHEMA_PREFIX, read_identity
+
+logger = logging.getLogger(__name__)
 
 USE_LOCK_NAME = ".keel.lock"
 SERVE_LOCK_NAME = ".keel-serve.lock"
@@ -472,10 +475,18 @@ def _release(fd: int) -> None:
 
 @contextmanager
 def generation_lock(state_dir: Path) -> Iterator[None]:
-    """Hold the generation lock; blocks while another process snapshots, restores or recovers."""
+    """Hold the generation lock; blocks while another process snapshots, restores or recovers
+    (saying so in the log once, so that a wait is not taken for a hang)."""
     fd = _open_lock_file(state_dir, GENERATION_LOCK_NAME)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning(
+                "waiting for another process (a snapshot, a restore, or a server starting) to let go of %s",
+                state_dir / GENERATION_LOCK_NAME,
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:
         os.close(fd)
         raise

@@ -545,5 +545,6 @@ async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal
         assert process.stdout is not None
         said = (await process.stdout.receive_some(65536)).decode()
         assert "keel serving" not in said and "Traceback" not in said
+        assert f"waiting for another process (a snapshot, a restore, or a server starting) to let go of {state / GENERATION_LOCK_NAME}" in said
     finally:
         os.close(holder)
