@@ -48,6 +48,14 @@ def stamp_for(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).strftime(STAMP_FORMAT)
 
 
+def _is_stamp(text: str) -> bool:
+    """Whether ``text`` is a stamp of a time there is (not month 13, say)."""
+    try:
+        return bool(STAMP.fullmatch(text)) and stamp_for(datetime.strptime(text, STAMP_FORMAT).replace(tzinfo=timezone.utc)) == text
+    except ValueError:
+        return False
+
+
 def create_snapshot(
     state_dir: Path, backup_root: Path, *, keep: int, app_version: str, stamp: str | None = None
 ) -> Path:
@@ -63,8 +71,8 @@ def create_snapshot(
         raise ValueError(f"keep must be at least 1, got {keep}; a snapshot that is pruned at once protects nothing")
     now = datetime.now(timezone.utc)
     stamp = stamp or stamp_for(now)
-    if not STAMP.fullmatch(stamp):
-        raise SnapshotError(f"snapshot timestamp {stamp!r} must look like 20260131T235959Z")
+    if not _is_stamp(stamp):
+        raise SnapshotError(f"snapshot timestamp {stamp!r} must be a UTC time written like 20260131T235959Z")
     recover(state_dir)
     if not state_dir.is_dir():
         raise SnapshotError(f"the state directory {state_dir} does not exist; there is nothing to snapshot")
@@ -176,9 +184,9 @@ def _write_snapshot(
             databases=entries,
         )
         manifest_bytes = encode_document(manifest.to_json())
-        write_new_file(staging / MANIFEST_NAME, manifest_bytes)
+        write_new_file(staging / MANIFEST_NAME, manifest_bytes, mode=PRIVATE_MODE)
         marker = {"format_version": FORMAT_VERSION, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
-        write_new_file(staging / MARKER_NAME, encode_document(marker))
+        write_new_file(staging / MARKER_NAME, encode_document(marker), mode=PRIVATE_MODE)
         fsync_dir(staging)
         target = backup_root / stamp
         os.rename(staging, target)  # the one rename that publishes it; the stamp claim keeps target free

@@ -6,6 +6,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import sqlite3
 import subprocess
 import sys
@@ -53,6 +54,9 @@ def test_snapshot_records_a_signed_manifest_of_hashed_checked_databases(state_di
         assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["size_bytes"] == len(data)
         assert data[18:20] == b"\x01\x01"  # rollback-journal mode: the copy needs no -wal to be read
     assert sorted(os.listdir(snapshot)) == [".complete", "foreign.db", "manifest.json", "runtime.db", "tasks.db"]
+    assert {name: stat.S_IMODE(os.stat(snapshot / name).st_mode) for name in os.listdir(snapshot)} == dict.fromkeys(
+        os.listdir(snapshot), 0o600
+    )  # readable by their owner alone, the manifest and its marker too
     assert {entry.filename for entry in read_snapshot(snapshot).databases} == set(by_name)  # it validates
     assert sorted(os.listdir(snapshot.parent)) == [STAMP]  # no staging and no stamp claim left behind
 
@@ -124,7 +128,7 @@ KILLED_MIDWAY = """
 import os, sys
 from pathlib import Path
 import persistence.snapshot as snapshot
-snapshot.write_new_file = lambda *args: os._exit(137)
+snapshot.write_new_file = lambda *args, **kwargs: os._exit(137)
 snapshot.create_snapshot(Path(sys.argv[1]), Path(sys.argv[2]), keep=7, app_version="1", stamp=sys.argv[3])
 """
 
@@ -182,6 +186,7 @@ def test_snapshot_runs_recovery_first_and_refuses_unaccountable_state(state_dir:
     assert not (state_dir.parent / "backups").exists()
 
 
-def test_snapshot_refuses_a_malformed_timestamp(state_dir: Path) -> None:
-    with pytest.raises(SnapshotError, match="must look like 20260131T235959Z"):
-        snap(state_dir, "../escape")
+@pytest.mark.parametrize("stamp", ["../escape", "20301399T000000Z", "20260230T120000Z", "20260131T246000Z"])
+def test_snapshot_refuses_a_malformed_timestamp(state_dir: Path, stamp: str) -> None:
+    with pytest.raises(SnapshotError, match="must be a UTC time written like 20260131T235959Z"):
+        snap(state_dir, stamp)
