@@ -150,10 +150,17 @@ class AnswerSaveGate(MemorySessionStore):
     release: trio.Event = attrs.field(factory=trio.Event, kw_only=True)
 
     async def save(self, session_id: str, messages: Sequence[Transcribed]) -> None:
+        await self._hold(messages)
+        await super().save(session_id, messages)
+
+    async def save_and_take_steers(self, session_id: str, messages: Sequence[Transcribed], **options: Any) -> list[str]:
+        await self._hold(messages)  # the run's look for steers after its answer saves the answer
+        return await super().save_and_take_steers(session_id, messages, **options)
+
+    async def _hold(self, messages: Sequence[Transcribed]) -> None:
         if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls:
             self.entered.set()
             await self.release.wait()
-        await super().save(session_id, messages)
 
 
 @attrs.define(eq=False)
