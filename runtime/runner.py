@@ -507,9 +507,9 @@ class Runner:
         )
 
     async def cancel(self, owner: str, task_id: str) -> Task:
-        """Cancel the task's scope, write it CANCELED and return it as persisted: CANCELED, or
-        the terminal state it reached first. Raises TaskNotFound, or TaskNotCancelable when it is
-        terminal.
+        """Cancel the task's scope, write it CANCELED and return it as persisted. Raises
+        TaskNotFound, or TaskNotCancelable when it is terminal, or became so (its run's end was
+        written first) before the cancel could be.
 
         The response waits for that one write, not for the run to unwind: the run, cancelled,
         saves the answer it was streaming (marked partial) and releases the session's turn lock
@@ -527,7 +527,10 @@ class Runner:
         # CANCELED is what the subscribers have.
         live.freeze_answer()
         # Urgent: under load the writer is busy, and this write is what the client waits on.
-        return await live.persist(self.tasks, _unless_settled(_keeping_answer(live, CANCELED)), urgent=True)
+        task = await live.persist(self.tasks, _unless_settled(_keeping_answer(live, CANCELED)), urgent=True)
+        if task.status.state.is_terminal and task.status.state is not TaskState.CANCELED:
+            raise TaskNotCancelable(task_id, task.status.state.value)  # as a cancel a moment later is
+        return task
 
     async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
         """Settle a task no run of this process holds (its process died, or it ended just now)."""

@@ -13,7 +13,7 @@ from fake_model import Reply
 
 from persistence.api import TaskRecord
 from persistence.memory import MemorySessionStore, MemoryTaskStore
-from protocol import Message, Role, SendMessageParams, TaskState, TextPart
+from protocol import Message, Role, SendMessageParams, TaskNotCancelable, TaskState, TextPart
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import decode, new_id
@@ -65,6 +65,34 @@ class HeldCompletion(MemoryTaskStore):
             self.entered.set()
             await self.release.wait()
         return await super().update(owner, task_id, **fields)
+
+
+async def test_a_cancel_that_the_runs_completion_was_written_before_is_not_cancelable() -> None:
+    # The run's COMPLETED is being written when CancelTask comes: it stands, and the cancel is
+    # answered as one a moment later would be, not with the completed task as if canceled.
+    tasks = HeldCompletion()
+    runner = Runner(MemorySessionStore(), tasks, ScriptedModel([Answer("Rolled back.")]), AgentSpec())
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    refused: list[TaskNotCancelable] = []
+
+    async def cancel(task_id: str) -> None:
+        with pytest.raises(TaskNotCancelable) as raised:
+            await runner.cancel(ANONYMOUS, task_id)
+        refused.append(raised.value)
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runner.run)
+            task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+            await tasks.entered.wait()
+            nursery.start_soon(cancel, task.id)
+            await trio.testing.wait_all_tasks_blocked()  # the cancel waits for the write under way
+            tasks.release.set()
+            await runner.wait_settled(ANONYMOUS, task.id)
+            runner.stop()
+    [error] = refused
+    assert task.id in error.message and "completed" in error.message
+    assert decode(await tasks.get(ANONYMOUS, task.id)).status.state is TaskState.COMPLETED
 
 
 async def test_the_drains_log_line_does_not_call_a_task_whose_run_had_ended_canceled(
