@@ -50,10 +50,13 @@ def stamp_for(moment: datetime) -> str:
 
 def _is_stamp(text: str) -> bool:
     """Whether ``text`` is a stamp of a time there is (not month 13, say)."""
+    if not STAMP.fullmatch(text):
+        return False
     try:
-        return bool(STAMP.fullmatch(text)) and stamp_for(datetime.strptime(text, STAMP_FORMAT).replace(tzinfo=timezone.utc)) == text
+        moment = datetime.strptime(text, STAMP_FORMAT).replace(tzinfo=timezone.utc)
     except ValueError:
         return False
+    return stamp_for(moment) == text
 
 
 def create_snapshot(
