@@ -371,13 +371,16 @@ class Runner:
         return LiveTask(owner=owner, task=task, version=version, write_timeout_s=self.config.cleanup_timeout_s)
 
     async def _to_existing(self, owner: str, task_id: str, params: SendMessageParams) -> Task:
+        # Its run, looked up before the task is read: one that ends while it is read is still
+        # known for what it is, a run that takes no more steers, not taken for no run at all.
+        running = self._live.get(task_id)
         task, version = await load(self.tasks, owner, task_id)
         message = params.message
         if message.context_id and message.context_id != task.context_id:
             raise ContextMismatch(message.context_id, task_id, task.context_id)
         # A message this task already took (sent again, its answer lost): the task as it
         # stands, and no second steer.
-        live = self._live.get(task_id)
+        live = self._live.get(task_id) or running
         current = live.task if live is not None and live.owner == owner else task
         for taken in current.history:
             if taken.message_id == message.message_id:

@@ -15,14 +15,15 @@ import pytest
 import trio
 import trio.testing
 
-from persistence.api import SessionStore
+from persistence.api import SessionStore, TaskRecord
+from persistence.memory import MemorySessionStore, MemoryTaskStore
 from persistence.sessions import SqliteSessionStore, open_session_store
 from persistence.tasks import open_task_store
 from persistence.transcript import Message as Transcribed
 from protocol import Message, Role, SendMessageParams, Task, TaskState, TextPart, UnsupportedOperation
 from runtime.agent import STEER_LABEL, AgentSpec
 from runtime.runner import ANONYMOUS, Runner
-from runtime.tasks import new_id
+from runtime.tasks import decode, new_id
 from tests.runtime.agent_support import Answer, ScriptedModel
 
 DEADLINE_S = 10.0
@@ -152,3 +153,52 @@ async def test_a_steer_sent_during_the_runs_last_look_is_refused_not_left_untake
     assert len(said) == 1 and said[0].startswith(f"task {task.id!r} takes no more messages: its run is giving")
     assert done.status.state is TaskState.COMPLETED and len(done.history) == 2
     assert steers_left(tmp_path) == 0
+
+
+@attrs.define(eq=False)
+class StaleRead(MemoryTaskStore):
+    """A task store whose reads, once ``hold`` is set, return what they read only after
+    ``release``: by then the task may have moved on."""
+
+    hold: bool = False
+    entered: trio.Event = attrs.field(factory=trio.Event)
+    release: trio.Event = attrs.field(factory=trio.Event)
+
+    async def get(self, owner: str, task_id: str) -> TaskRecord:
+        record = await super().get(owner, task_id)
+        if self.hold:
+            self.hold = False
+            self.entered.set()
+            await self.release.wait()
+        return record
+
+
+async def test_a_steer_whose_task_ended_while_it_was_read_is_refused_not_recorded_after_the_answer() -> None:
+    tasks, sessions, answered = StaleRead(), MemorySessionStore(), trio.Event()
+    model = ScriptedModel([Answer("The lease expired.", hold=answered)])
+    said: list[str] = []
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            runner: Runner = await nursery.start(Runner(sessions, tasks, model, AgentSpec()).run)
+            task = await runner.send(ANONYMOUS, ask("Which leases expired?"))
+            await asked(model, 1)
+
+            async def steer() -> None:
+                try:
+                    said.append((await runner.send(ANONYMOUS, ask("also check staging", task=task))).status.state.value)
+                except UnsupportedOperation as exc:
+                    said.append(exc.message)
+
+            tasks.hold = True
+            nursery.start_soon(steer)
+            await tasks.entered.wait()  # the steer has read the task WORKING
+            answered.set()
+            done = await runner.wait_settled(ANONYMOUS, task.id)  # and the run has ended since
+            tasks.release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            runner.stop()
+    assert len(said) == 1 and said[0].startswith(f"task {task.id!r} takes no more messages"), said
+    assert done.status.state is TaskState.COMPLETED
+    stored = decode(await tasks.get(ANONYMOUS, task.id))
+    assert [m.role for m in stored.history] == [Role.USER, Role.AGENT]  # no steer recorded after the answer
+    assert await sessions.take_steers(task.context_id) == []
