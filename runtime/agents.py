@@ -31,8 +31,8 @@ CLOCK = Tool(
 
 
 def default_agent(*, max_model_calls: int) -> AgentSpec:
-    # The runner gives a steer that arrives while the answer is being written one more round,
-    # as often as the budget allows (see Runner.agent); a library caller chooses its own.
+    # The runner's runs give a steer that arrives while the answer is being written one more
+    # round, as often as the budget allows (see SteerGate); a library caller chooses its own.
     return AgentSpec(
         system_prompt=SYSTEM_PROMPT,
         tools=(CLOCK,),

@@ -129,14 +129,6 @@ class RunnerConfig:
     cleanup_timeout_s: float = 5.0
 
 
-def _taking_every_steer(agent: AgentSpec) -> AgentSpec:
-    """``agent`` with as many steer continuations as its budget has calls. A steer the runner
-    accepted must ride a request: one that arrives while an answer is written gets another
-    round, within the budget, and one too late for the budget's last request is refused (see
-    SteerGate), not left untaken."""
-    return attrs.evolve(agent, steer_continuations=max(agent.steer_continuations, agent.max_model_calls))
-
-
 @attrs.define(eq=False)
 class Runner:
     """Start it with ``runner = await nursery.start(Runner(...).run)``; stop it with ``stop()``."""
@@ -144,7 +136,7 @@ class Runner:
     sessions: SessionStore
     tasks: TaskStore
     model: Model
-    agent: AgentSpec = attrs.field(converter=_taking_every_steer)
+    agent: AgentSpec
     config: RunnerConfig = RunnerConfig()
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _live: dict[str, LiveTask] = attrs.field(init=False, factory=dict)

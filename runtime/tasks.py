@@ -141,13 +141,12 @@ def readable_text(message: Message) -> str:
         if not isinstance(part, FilePart):
             continue
         named = f" {part.filename!r}" if part.filename else ""
-        if _text_type(part) and part.raw is None:
-            raise UnsupportedOperation(
-                f"message.parts[{index}] is a file{named} given by URL, which this agent does not fetch; send what it"
-                " says inline (as raw bytes, or as text)"
-            )
         if _text_type(part):
-            assert part.raw is not None
+            if part.raw is None:
+                raise UnsupportedOperation(
+                    f"message.parts[{index}] is a file{named} given by URL, which this agent does not fetch; send what"
+                    " it says inline (as raw bytes, or as text)"
+                )
             try:
                 part.raw.decode("utf-8")
             except UnicodeDecodeError as exc:

@@ -8,7 +8,6 @@ from runtime.agent.tools import Tool
 
 __all__ = [
     "STEER_LABEL",
-    "SteerGate",
     "AgentError",
     "AgentEvent",
     "AgentRun",
@@ -24,6 +23,7 @@ __all__ = [
     "SaveFailed",
     "StepStarted",
     "SteerApplied",
+    "SteerGate",
     "TextDelta",
     "Tool",
     "ToolCalled",

@@ -64,7 +64,8 @@ class AgentSpec:
 
     ``max_model_calls`` is the turn's budget, continuations included; ``max_steps`` bounds the
     requests of one round (a continuation starts a new round). ``steer_continuations`` is how
-    many extra rounds a turn may take for steers that arrived while its answer was being written.
+    many extra rounds a turn may take for steers that arrived while its answer was being written
+    (a run given a SteerGate takes as many as its budget allows).
     """
 
     system_prompt: str = ""
@@ -214,18 +215,17 @@ class AgentRun:
                 await self._look()
             # A steer that arrived while the answer was being written has had no request to ride.
             # With a continuation (and budget) left, it is placed after the answer and the model
-            # is asked once more; otherwise it is handed back in Result.unapplied_steers.
+            # is asked once more; otherwise it is handed back in Result.unapplied_steers. A run
+            # with a gate has as many continuations as its budget: its caller accepted each
+            # steer on the promise that a request carries it (see SteerGate).
             elif (
-                continuations < self.spec.steer_continuations
+                (self.gate is not None or continuations < self.spec.steer_continuations)
                 and self._calls < self.spec.max_model_calls
                 and await self._look("saving the answer", before_model=False)
             ):
                 continuations += 1
                 steps = 0
-            else:
-                if self.gate is not None:  # closed already, unless the continuations ran out first
-                    async with self.gate.lock:
-                        self.gate.closed = True
+            else:  # with a gate, closed by now: at the look that found nothing, or before the last call
                 return
 
     async def _look(self, what: str = _SAVING, *, before_model: bool = True) -> bool:

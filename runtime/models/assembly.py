@@ -17,6 +17,10 @@ from runtime.models.errors import ModelBadResponse
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
 from runtime.models.wire import arguments_text, inferred_finish_reason, optional_str, parse_usage, tool_call, unicode_text
 
+# What is kept of what a server said (an error, a chunk that is not JSON), for the log: more
+# than the log keeps, so that a secret across the log's cut is still whole when it is scrubbed.
+SAID_CHARS = 8000
+
 
 @attrs.define
 class _CallParts:
@@ -128,14 +132,14 @@ class StreamAssembler:
         try:
             chunk = json.loads(data)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested past what Python reads
-            raise ModelBadResponse(self.model, "a stream event is not JSON", detail=data[:8000]) from exc
+            raise ModelBadResponse(self.model, "a stream event is not JSON", detail=data[:SAID_CHARS]) from exc
         return self._on_chunk(chunk)
 
     def _on_chunk(self, chunk: object) -> list[Delta]:
         if not isinstance(chunk, dict):
             raise ModelBadResponse(self.model, "a stream event is not a JSON object")
         if "error" in chunk:
-            detail = json.dumps(chunk["error"], ensure_ascii=False)[:8000]
+            detail = json.dumps(chunk["error"], ensure_ascii=False)[:SAID_CHARS]
             raise ModelBadResponse(self.model, "the server reported an error in the middle of the answer", detail=detail)
         deltas: list[Delta] = []
         choices = chunk.get("choices") or []

@@ -17,8 +17,8 @@ import math
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from contextlib import asynccontextmanager
+from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any
 from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
@@ -30,7 +30,7 @@ import trio
 from persistence.transcript import Message
 from protocol import SseLines
 from protocol.sse import LineTooLong
-from runtime.models.assembly import StreamAssembler
+from runtime.models.assembly import SAID_CHARS, StreamAssembler
 from runtime.models.errors import (
     ModelBadResponse,
     ModelError,
@@ -368,7 +368,7 @@ class ModelClient:
         body = f"(the body did not end within {self.config.read_timeout_s:g} s)".encode()
         try:
             with trio.move_on_after(self.config.read_timeout_s):
-                body = await _read_at_most(response, 4 * _DETAIL_CHARS)
+                body = await _read_at_most(response, SAID_CHARS)
         except httpx.RequestError as exc:
             body = f"(the body could not be read: {type(exc).__name__})".encode()
         finally:
@@ -415,7 +415,7 @@ class ModelClient:
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:
-            detail = self._scrub_cut(raw[: 4 * _DETAIL_CHARS].decode("utf-8", "replace"))
+            detail = self._scrub_cut(raw[:SAID_CHARS].decode("utf-8", "replace"))
             raise ModelBadResponse(model, "the body is not JSON", detail=detail) from exc
 
     def _broken_answer(self, exc: httpx.RequestError, *, started: bool) -> ModelError:
@@ -439,7 +439,8 @@ class ModelClient:
         return "the credentials in the base URL" if any(url_credentials(self.config.base_url)) else None
 
     def _scrub_cut(self, text: str) -> str:
-        """``text`` scrubbed, then cut to what the log keeps: cut first, a secret across the cut would no longer match."""
+        """``text`` scrubbed, then cut to what the log keeps (in that order: a secret across the
+        cut would no longer match)."""
         return self._scrub(text)[:_DETAIL_CHARS]
 
     def _scrub(self, text: str) -> str:

@@ -25,9 +25,9 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from persistence.errors import DatabaseFailed, StoreClosed
 from protocol import (
+    METHODS,
     VERSION_HEADER,
     InternalError,
-    METHODS,
     InvalidRequest,
     ListTasksParams,
     Operation,
