@@ -15,7 +15,6 @@ internal.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -23,11 +22,9 @@ import attrs
 from quart import Response, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from persistence.errors import DatabaseFailed, StoreClosed
 from protocol import (
     METHODS,
     VERSION_HEADER,
-    InternalError,
     InvalidRequest,
     ListTasksParams,
     Operation,
@@ -38,11 +35,9 @@ from protocol import (
     RequestRejected,
     Route,
     SendMessageParams,
-    StorageFailed,
     TaskIdParams,
     TaskIsTerminal,
     TaskQueryParams,
-    TaskUnreadable,
     UnsupportedOperation,
     encode_event,
     encode_json,
@@ -56,13 +51,11 @@ from protocol import (
 )
 from protocol.sse import HEADERS as SSE_HEADERS
 from runtime.surface.card import CARD_PATH
-from runtime.tasks import UnreadableTask
+from runtime.surface.failures import answer_to
 from runtime.surface.streams import TaskEventStream, event_stream_response
 
 if TYPE_CHECKING:
     from runtime.runner import Runner
-
-logger = logging.getLogger(__name__)
 
 JSON_TYPE = "application/json"
 
@@ -143,17 +136,8 @@ class JsonRpcEndpoint:
                 return event_stream_response(stream)
             result = await self._answer(target.operation, params, target.version)
             return json_response(success_response(request_id, result))  # encoding can fail too
-        except ProtocolError as exc:
-            error = exc
-        except (DatabaseFailed, StoreClosed, TimeoutError) as exc:  # an outage (or a stalled disk), not a bug: one line in the log
-            logger.error("JSON-RPC %s failed: %s", target.method, exc)
-            error = StorageFailed(f"{target.method!r}")
-        except UnreadableTask as exc:  # a damaged row: the operator's to repair, as the log says
-            logger.error("JSON-RPC %s failed: %s", target.method, exc)
-            error = TaskUnreadable(exc.task_id)
-        except Exception:
-            logger.exception("JSON-RPC %s failed", target.method)
-            error = InternalError(f"{target.method!r}")
+        except Exception as exc:
+            error = answer_to(target.method, exc)
         return error_answer(error_response(request_id, error, target.version), target.method)
 
     async def _answer(self, operation: Operation, params: Params, version: ProtocolVersion) -> object:
@@ -218,5 +202,5 @@ class JsonRpcEndpoint:
                 raise TaskIsTerminal(task_id, task.status.state.value, "be subscribed to")
         return TaskEventStream(
             runner=self.runner, owner=self.owner, task_id=task_id, request_id=request_id, version=version,
-            keepalive_s=self.keepalive_s, first=first,
+            keepalive_s=self.keepalive_s, method=target.method, first=first,
         )  # fmt: skip

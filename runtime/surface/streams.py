@@ -8,14 +8,14 @@ keep the connection open.
 
 ``TaskEventStream`` is a quart ``ResponseBody``: quart-trio enters it, iterates it and leaves it
 in the request's own task. Entering opens the runner subscription and leaving closes it; each
-``__anext__`` waits for one event (or the keep-alive) inside its own call, so no cancel scope or
-nursery is ever held across a yield. A client that disconnects gets its request task cancelled,
-which ends this subscription and nothing else: the run lives in the runner's nursery.
+``__anext__`` waits for one event (or the keep-alive) inside its own call, and returns its frames
+with those of the events already waiting, so no cancel scope or nursery is ever held across a
+yield. A client that disconnects gets its request task cancelled, which ends this subscription
+and nothing else: the run lives in the runner's nursery.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from types import TracebackType
 from typing import Protocol
@@ -41,6 +41,7 @@ from protocol import (
     success_response,
 )
 from protocol.sse import HEADERS
+from runtime.surface.failures import answer_to
 from runtime.tasks import StreamItem
 
 
@@ -50,6 +51,7 @@ class Subscriptions(Protocol):
     def subscribe(self, owner: str, task_id: str) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[StreamItem]]: ...
 
 KEEPALIVE = encode_comment("keep-alive")
+WRITE_BYTES = 1 << 20  # what one write takes of the events waiting (one event may be larger)
 
 
 def event_stream_response(stream: TaskEventStream) -> Response:
@@ -74,10 +76,11 @@ class TaskEventStream(ResponseBody):
     request_id: RequestId
     version: ProtocolVersion
     keepalive_s: float
+    method: str  # the request's, which an error it ends with names
     first: Task | None = None
     _exits: AsyncExitStack = attrs.field(init=False, factory=AsyncExitStack)
     _events: trio.MemoryReceiveChannel[StreamItem] | None = attrs.field(init=False, default=None)
-    _frames: deque[bytes] = attrs.field(init=False, factory=deque)
+    _frames: bytearray = attrs.field(init=False, factory=bytearray)  # to send, next write
     _last_task: Task | None = attrs.field(init=False, default=None)
     _ended: bool = attrs.field(init=False, default=False)
 
@@ -88,8 +91,9 @@ class TaskEventStream(ResponseBody):
             return self
         try:
             self._events = await self._exits.enter_async_context(self.runner.subscribe(self.owner, self.task_id))
-        except ProtocolError as exc:  # the task vanished after the request was checked
-            self._frames.append(encode_event(error_response(self.request_id, exc, self.version)))
+        except Exception as exc:  # the task vanished after the request was checked, or the store failed
+            # The answer's status and headers are sent: what went wrong is its one event.
+            self._frames.extend(encode_event(error_response(self.request_id, answer_to(self.method, exc), self.version)))
             self._ended = True
         return self
 
@@ -106,10 +110,16 @@ class TaskEventStream(ResponseBody):
             if self._ended:
                 raise StopAsyncIteration
             await self._wait_for_event()
-        return self._frames.popleft()
+        # The frames queued go out in one write. A write per event would take a pass of the
+        # scheduler each, while a model streaming small pieces publishes hundreds in one: a client
+        # reading as fast as it can would fall SUBSCRIBER_BUFFER events behind, and be cut off.
+        frames = bytes(self._frames)
+        self._frames.clear()
+        return frames
 
     async def _wait_for_event(self) -> None:
-        """Queue the frames of the next event, or a keep-alive after ``keepalive_s`` of quiet."""
+        """Queue the frames of the next event, or a keep-alive after ``keepalive_s`` of quiet;
+        then those of the events already waiting, up to WRITE_BYTES of frames."""
         assert self._events is not None, "the stream is iterated only once entered"
         with trio.move_on_after(self.keepalive_s) as idle:
             try:
@@ -118,10 +128,21 @@ class TaskEventStream(ResponseBody):
                 self._ended = True
                 return
         if idle.cancelled_caught:
-            self._frames.append(KEEPALIVE)
+            self._frames.extend(KEEPALIVE)
             return
+        self._take(event)
+        while not self._ended and len(self._frames) < WRITE_BYTES:
+            try:
+                self._take(self._events.receive_nowait())
+            except trio.WouldBlock:
+                return
+            except trio.EndOfChannel:
+                self._ended = True
+
+    def _take(self, event: StreamItem) -> None:
+        """Queue the frames of one event of the subscription."""
         if isinstance(event, ProtocolError):  # cut short: the client is told why, and what to do
-            self._frames.append(encode_event(error_response(self.request_id, event, self.version)))
+            self._frames.extend(encode_event(error_response(self.request_id, event, self.version)))
             self._ended = True
             return
         if isinstance(event, Task) and self._last_task is not None:
@@ -136,11 +157,11 @@ class TaskEventStream(ResponseBody):
             return
         if isinstance(event, Task):
             self._last_task = event
-        self._frames.append(self._frame(event))
+        self._frames.extend(self._frame(event))
         self._ended = ends_stream(event)
         if self._ended and isinstance(event, Task) and self.version is ProtocolVersion.V0_3:
             # A 0.3 client reads until final:true, which only a status update carries.
-            self._frames.append(self._frame(TaskStatusUpdateEvent(task_id=event.id, context_id=event.context_id, status=event.status)))
+            self._frames.extend(self._frame(TaskStatusUpdateEvent(task_id=event.id, context_id=event.context_id, status=event.status)))
 
     def _frame(self, event: StreamEvent) -> bytes:
         return encode_event(success_response(self.request_id, stream_event_to_json(event, self.version)))

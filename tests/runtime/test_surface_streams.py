@@ -4,6 +4,8 @@ terminal or interrupted state; subscriptions; keep-alives; and a client that dis
 from __future__ import annotations
 
 import json
+import logging
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
@@ -29,7 +31,8 @@ from protocol import (
     TaskStatusUpdateEvent,
     TextPart,
 )
-from runtime.runner import ANONYMOUS
+from persistence.errors import DatabaseFailed
+from runtime.runner import ANONYMOUS, Runner
 from runtime.surface import SurfaceConfig
 from runtime.surface.streams import TaskEventStream
 from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, encode, new_id, now
@@ -239,6 +242,37 @@ async def test_an_idle_stream_sends_keepalive_comments(fake_model: FakeModel, tm
 
 
 @BOTH
+async def test_a_store_that_fails_as_a_stream_opens_ends_it_with_an_error_saying_so_logged_in_one_line(
+    keel: Served, version: str | None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The task is read when the request is checked, and again when its stream opens (after the
+    # 200 and its headers are sent): a store that fails in between (a disk failing, say) was a
+    # body cut off mid-chunk, and a traceback in the log.
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+    task = await keel.send("Roll back", version=version, blocking=False)
+    await keel.gate.wait_entered()
+
+    @asynccontextmanager
+    async def failing(_runner: Runner, _owner: str, _task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamItem]]:
+        raise DatabaseFailed(keel.state_dir / "tasks.db", sqlite3.OperationalError("disk I/O error"))
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(Runner, "subscribe", failing)
+    with caplog.at_level(logging.ERROR, logger="runtime.surface"):
+        async with keel.stream(SUBSCRIBE[version], {"id": task["id"]}, version=version) as events:
+            [answer] = await events.rest()
+    assert answer["id"] == 1 and answer["error"]["code"] == -32603
+    assert answer["error"]["message"].startswith(f"the server's storage failed while handling {SUBSCRIBE[version]!r}")
+    assert "disk I/O" not in answer["error"]["message"] and str(keel.state_dir) not in answer["error"]["message"]
+    [logged] = caplog.records
+    assert "tasks.db" in logged.getMessage() and "disk I/O error" in logged.getMessage()
+    assert logged.exc_info is None  # an outage, not a bug: no traceback
+    monkeypatch.undo()
+    keel.gate.opened.set()  # the task goes on
+    assert (await keel.runner.wait_settled(ANONYMOUS, task["id"])).status.state is TaskState.COMPLETED
+
+
+@BOTH
 async def test_subscribing_to_an_unfinished_task_no_run_of_this_server_holds_says_where_to_look(
     keel: Served, version: str | None
 ) -> None:
@@ -285,7 +319,8 @@ def task_in(state_: TaskState, *artifacts: Artifact) -> Task:
 
 async def frames_of(subscriptions: ScriptedSubscriptions, first: Task | None) -> list[dict[str, Any]]:
     stream = TaskEventStream(
-        runner=subscriptions, owner="o", task_id="t-1", request_id=1, version=ProtocolVersion.V1_0, keepalive_s=10, first=first
+        runner=subscriptions, owner="o", task_id="t-1", request_id=1, version=ProtocolVersion.V1_0, keepalive_s=10,
+        method="SubscribeToTask", first=first,
     )
     parser = SseParser()
     async with stream as chunks:
@@ -348,7 +383,8 @@ class LiveSubscriptions:
 async def test_a_client_that_falls_too_far_behind_is_told_so_in_the_last_event() -> None:
     live = LiveTask(owner="o", task=task_in(TaskState.WORKING), version=2)
     stream = TaskEventStream(
-        runner=LiveSubscriptions(live), owner="o", task_id="t-1", request_id=1, version=ProtocolVersion.V1_0, keepalive_s=10
+        runner=LiveSubscriptions(live), owner="o", task_id="t-1", request_id=1, version=ProtocolVersion.V1_0, keepalive_s=10,
+        method="SubscribeToTask",
     )
     update = TaskStatusUpdateEvent(task_id="t-1", context_id="c-1", status=task_in(TaskState.WORKING).status)
     parser = SseParser()
@@ -361,6 +397,37 @@ async def test_a_client_that_falls_too_far_behind_is_told_so_in_the_last_event()
     assert [kind(f) for f in results(frames[:-1])] == ["task"] + ["statusUpdate"] * (SUBSCRIBER_BUFFER - 1)
     error = frames[-1]["error"]
     assert error["code"] == -32603 and "'t-1'" in error["message"] and "SubscribeToTask" in error["message"]
+
+
+async def test_a_stream_keeps_up_with_a_model_that_streams_several_pieces_between_two_writes() -> None:
+    # A model's answer comes several pieces to a read (hundreds, from a fast server), all
+    # published before the stream's next write; each write (to the client's socket) takes the
+    # scheduler a pass at least. A stream that wrote one event a write fell SUBSCRIBER_BUFFER
+    # events behind a client that took every byte at once, and was cut off.
+    live = LiveTask(owner="o", task=task_in(TaskState.WORKING), version=2)
+    stream = TaskEventStream(
+        runner=LiveSubscriptions(live), owner="o", task_id="t-1", request_id=1, version=ProtocolVersion.V1_0, keepalive_s=10,
+        method="SubscribeToTask",
+    )
+    pieces_a_read, reads = 8, SUBSCRIBER_BUFFER // 4
+    raw = bytearray()
+
+    async def write_to_the_client(chunks: TaskEventStream) -> None:
+        async for chunk in chunks:
+            raw.extend(chunk)
+            await trio.lowlevel.checkpoint()  # the write to the socket
+
+    async with stream as chunks, trio.open_nursery() as nursery:
+        nursery.start_soon(write_to_the_client, chunks)
+        for _ in range(reads):
+            for _ in range(pieces_a_read):
+                live.stream_answer("x")
+            await trio.lowlevel.checkpoint()  # the model client's next read
+        live.close()  # the task has settled: the stream ends after what it was sent
+    frames = [json.loads(event.data) for event in SseParser().feed(bytes(raw))]
+    assert all("result" in frame for frame in frames), frames[-1]
+    pieces = [f["artifactUpdate"]["artifact"]["parts"][0]["text"] for f in results(frames) if kind(f) == "artifactUpdate"]
+    assert "".join(pieces) == "x" * pieces_a_read * reads
 
 
 async def test_a_streaming_send_sent_again_streams_the_task_it_started_and_ends(keel: Served) -> None:
