@@ -59,7 +59,7 @@ class DatabaseEntry:
         fields = _exact_keys(obj, {"filename", "sha256", "size_bytes", "schema"}, "a database entry")
         name = fields["filename"]
         if not isinstance(name, str) or not is_db_name(name):
-            raise SnapshotError(f"Snapshot manifest names an unsafe database filename: {name!r}")
+            raise ValueError(f"it names an unsafe database filename: {name!r}")
         if not is_sha256(fields["sha256"]):
             raise ValueError(f"the SHA-256 of {name} is not 64 lowercase hex digits")
         size = _int(fields["size_bytes"], f"the size of {name}")
@@ -103,7 +103,7 @@ class Manifest:
         seen: set[str] = set()
         for entry in entries:
             if entry.filename in seen:
-                raise SnapshotError(f"Snapshot manifest repeats the database filename {entry.filename}")
+                raise ValueError(f"it repeats the database filename {entry.filename}")
             seen.add(entry.filename)
         return cls(
             created_at=fields["created_at"],
@@ -170,7 +170,7 @@ def read_snapshot(snapshot_dir: Path) -> Manifest:
     """
     if snapshot_dir.name.startswith("."):
         raise SnapshotError(
-            f"Snapshot {snapshot_dir} is hidden, so it was never published; restore a published snapshot"
+            f"Snapshot {snapshot_dir} is hidden, so it was never published"
         )
     if not snapshot_dir.is_dir() or snapshot_dir.is_symlink():
         raise SnapshotError(f"Snapshot {snapshot_dir} does not exist or is not a directory")
@@ -204,17 +204,14 @@ def _check_files(snapshot_dir: Path, manifest: Manifest) -> None:
         evidence = file_evidence(path)
         if evidence.size_bytes != entry.size_bytes:
             raise SnapshotError(
-                f"Snapshot database {entry.filename} is {evidence.size_bytes} bytes; "
-                f"the manifest says {entry.size_bytes}"
+                f"Snapshot database {path} is {evidence.size_bytes} bytes; the manifest says {entry.size_bytes}"
             )
         if evidence.sha256 != entry.sha256:
-            raise SnapshotError(f"Snapshot database {entry.filename} does not match its SHA-256 in the manifest")
+            raise SnapshotError(f"Snapshot database {path} does not match its SHA-256 in the manifest")
         try:
             identity = inspect_database(path)
         except ValueError as exc:
-            raise SnapshotError(f"Snapshot database {entry.filename} failed its integrity check: {exc}") from exc
-        check_supported(f"Snapshot database {entry.filename}", identity, fix="restore it with a build that supports it")
+            raise SnapshotError(f"Snapshot database {path} failed its integrity check: {exc}") from exc
+        check_supported(f"Snapshot database {path}", identity, fix="restore it with a build that supports it")
         if identity != entry.schema:
-            raise SnapshotError(
-                f"Snapshot database {entry.filename} has schema {identity}; the manifest records {entry.schema}"
-            )
+            raise SnapshotError(f"Snapshot database {path} has schema {identity}; the manifest records {entry.schema}")

@@ -18,6 +18,7 @@ generation stays and recovery finishes the clean-up. A crash anywhere is recover
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -37,6 +38,7 @@ from persistence.statedir import (
     FileEvidence,
     NotAStateDir,
     RestoreError,
+    SnapshotError,
     exclusive_use,
     fsync_dir,
     generation_lock,
@@ -46,6 +48,7 @@ from persistence.statedir import (
     make_fresh_dir,
     make_state_dir,
     other_programs_databases,
+    refusal,
     require_directory,
     write_all,
 )
@@ -70,7 +73,10 @@ def restore_snapshot(snapshot_dir: Path, state_dir: Path, *, rename: Rename = os
     directory, RecoveryError when an earlier restore cannot be accounted for, and RestoreError
     when the restore failed and the previous generation was put back.
     """
-    manifest = read_snapshot(snapshot_dir)
+    try:
+        manifest = read_snapshot(snapshot_dir)
+    except SnapshotError as exc:
+        raise SnapshotError(f"{exc}; nothing in {state_dir} was changed: restore another snapshot") from exc
     make_state_dir(state_dir)
     with generation_lock(state_dir), exclusive_use(state_dir):
         recover_locked(state_dir, exclusive_held=True)
@@ -105,6 +111,13 @@ class _Restore:
             self._publish_journal(committed)
         except BaseException as exc:
             self._unwind()
+            as_they_were = self.journal is None or self.journal.phase == "rolling_back"
+            if as_they_were and isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise RestoreError(
+                    f"restoring {self.snapshot_dir} failed: the state directory {self.state_dir} has no room for its"
+                    f" databases ({refusal(exc, 'files', self.state_dir)}), and the live databases are as they were;"
+                    " free space on its disk and restore again"
+                ) from exc
             if self.journal is not None and self.journal.phase == "rolling_back" and isinstance(exc, Exception):
                 raise RestoreError(
                     f"restoring {self.snapshot_dir} failed and the previous generation is live again, "

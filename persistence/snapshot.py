@@ -1,9 +1,10 @@
 """Consistent, self-verifying snapshots of the state directory, written while a server may run.
 
 Each visible ``*.db`` is copied through SQLite's backup API (never its ``-wal``/``-shm`` files),
-the copy switched out of WAL mode and checked with ``PRAGMA integrity_check``, and the snapshot
-staged in a hidden ``.incomplete-<stamp>.*`` directory under the backup root. It is published by
-one rename to ``<root>/<stamp>`` once its manifest and ``.complete`` marker are durable.
+in a read transaction begun, for all of them, before the first is copied: the copies are of one
+moment. Each copy is switched out of WAL mode and checked with ``PRAGMA integrity_check``, and the
+snapshot staged in a hidden ``.incomplete-<stamp>.*`` directory under the backup root. It is
+published by one rename to ``<root>/<stamp>`` once its manifest and ``.complete`` marker are durable.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ import shutil
 import sqlite3
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 from persistence.manifest import FORMAT_VERSION, MANIFEST_NAME, MARKER_NAME, DatabaseEntry, Manifest, check_supported
 from persistence.recovery import recover, recover_locked
 from persistence.schema import read_identity
-from persistence.sqlite import create_private
+from persistence.sqlite import create_private, immutable_uri
 from persistence.statedir import (
     DIR_MODE,
     PRIVATE_MODE,
@@ -35,6 +36,7 @@ from persistence.statedir import (
     generation_lock,
     holds_keel_state,
     is_db_name,
+    refusal,
     write_new_file,
 )
 
@@ -90,7 +92,7 @@ def create_snapshot(
             f"{state_dir} is not a Keel state directory: none of its databases carries a Keel schema identity;"
             " check that --state-dir (or AGENT_STATE_DIR) names the state directory"
         )
-    with generation_lock(state_dir):
+    with generation_lock(state_dir, reading=True):  # none where no one may write: nothing there can change
         recover_locked(state_dir, exclusive_held=False)
         names = _database_names(state_dir)
         backup_root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
@@ -179,7 +181,8 @@ def _write_snapshot(
     staging = Path(tempfile.mkdtemp(prefix=f".incomplete-{stamp}.", dir=backup_root))
     try:
         os.chmod(staging, DIR_MODE)
-        entries = tuple(_copy_database(state_dir / name, staging / name) for name in names)
+        with _read_together(state_dir, names) as sources:
+            entries = tuple(_copy_database(state_dir / name, src, staging / name) for name, src in zip(names, sources))
         manifest = Manifest(
             created_at=now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             application=APPLICATION,
@@ -195,31 +198,60 @@ def _write_snapshot(
         os.rename(staging, target)  # the one rename that publishes it; the stamp claim keeps target free
         fsync_dir(backup_root)
         return target
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SnapshotError(
+                f"the backup root {backup_root} has no room for a snapshot of {state_dir}"
+                f" ({refusal(exc, 'files', backup_root)}), so none was written; free space on its disk, or give"
+                " --backup-root (or AGENT_BACKUP_ROOT) a directory on one with room"
+            ) from exc
         raise
 
 
-def _copy_database(source: Path, copy: Path) -> DatabaseEntry:
-    """Copy one database consistently, check the copy, and describe it for the manifest."""
-    try:
-        src = sqlite3.connect(source, timeout=BUSY_TIMEOUT_MS / 1000)
-        try:
-            create_private(copy)  # what it holds is the conversations: its owner's alone, as the live files are
-            dst = sqlite3.connect(copy)
+@contextmanager
+def _read_together(state_dir: Path, names: list[str]) -> Iterator[list[sqlite3.Connection]]:
+    """A connection to each database, each in a read transaction begun before any is copied: the
+    copies hold the databases as they were at one moment (a few microseconds wide), however long
+    copying the first takes while a server writes. A database with no ``-wal`` beside it is read
+    as an immutable file: under the generation lock no server can open it meanwhile (one that has
+    it open has a ``-wal``), and where no one may write, nothing can; so nothing is made beside
+    it, and a read-only copy of a state directory can be read."""
+    with ExitStack() as stack:
+        sources = []
+        for name in names:
+            source = state_dir / name
             try:
-                src.backup(dst)  # one step: a single read transaction, so the copy is consistent
-                # The copy inherits WAL mode from the header; a snapshot file must stand alone.
-                dst.execute("PRAGMA journal_mode=DELETE")
-                problems = [row[0] for row in dst.execute("PRAGMA integrity_check(10)")]
-                if problems != ["ok"]:
-                    raise SnapshotError(f"{source} failed its integrity check: {'; '.join(map(str, problems))}")
-                identity = read_identity(dst)
-            finally:
-                dst.close()
+                uri = immutable_uri(source)
+                src = sqlite3.connect(uri or source, uri=uri is not None, timeout=BUSY_TIMEOUT_MS / 1000)
+                stack.callback(src.close)
+                src.execute("BEGIN")
+                src.execute("SELECT count(*) FROM sqlite_master").fetchone()  # the read transaction starts here
+            except sqlite3.Error as exc:
+                raise SnapshotError(f"{source} could not be copied: {exc}") from exc
+            sources.append(src)
+        yield sources
+
+
+def _copy_database(source: Path, src: sqlite3.Connection, copy: Path) -> DatabaseEntry:
+    """Copy one database (``src``, in its read transaction) consistently, check the copy, and
+    describe it for the manifest."""
+    try:
+        create_private(copy)  # what it holds is the conversations: its owner's alone, as the live files are
+        dst = sqlite3.connect(copy)
+        try:
+            src.backup(dst)  # one step, in src's read transaction, so the copy is consistent
+            # The copy inherits WAL mode from the header; a snapshot file must stand alone.
+            dst.execute("PRAGMA journal_mode=DELETE")
+            problems = [row[0] for row in dst.execute("PRAGMA integrity_check(10)")]
+            if problems != ["ok"]:
+                raise SnapshotError(f"{source} failed its integrity check: {'; '.join(map(str, problems))}")
+            identity = read_identity(dst)
         finally:
-            src.close()
+            dst.close()
     except sqlite3.Error as exc:
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL:  # the copy's disk: the source is read
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(copy)) from exc
         raise SnapshotError(f"{source} could not be copied: {exc}") from exc
     check_supported(f"{source}", identity, fix="snapshot it with a build that supports it")
     with open(copy, "rb+") as handle:

@@ -57,13 +57,28 @@ def create_private(path: Path) -> None:
     os.close(fd)
 
 
+def immutable_uri(path: Path) -> str | None:
+    """A URI that reads the database ``path`` as an immutable file, making nothing beside it (no
+    ``-wal``, no ``-shm``, not even in a directory this user may not write in) and taking no
+    lock; None where that could miss what it holds. With no ``-wal`` beside it, no connection has
+    it open in WAL mode (the last one to close checkpoints the WAL into it and removes it), and
+    with no ``-journal``, no write is left to undo: the file alone is the whole database. (A
+    process that opens it meanwhile writes to the WAL it makes, and to the file only when it
+    checkpoints: a read that a checkpoint overtakes can find the file damaged, never change it.)"""
+    if any(os.path.lexists(f"{path}{suffix}") for suffix in ("-wal", "-journal")):
+        return None
+    return f"{path.resolve().as_uri()}?mode=ro&immutable=1"
+
+
 def connect(path: Path, *, synchronous: str = "FULL", readonly: bool = False) -> sqlite3.Connection:
-    """A connection with Keel's settings. Blocking: call it from a worker thread."""
+    """A connection with Keel's settings. Blocking: call it from a worker thread. ``readonly``
+    reads a database as it is, making nothing beside it where it can (``immutable_uri``)."""
     if synchronous not in SYNCHRONOUS:
         raise ValueError(f"synchronous must be one of {', '.join(SYNCHRONOUS)}, not {synchronous!r}")
     check_sqlite_version()
     if readonly:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+        uri = immutable_uri(path) or f"{path.resolve().as_uri()}?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
     else:
         create_private(path)
         # isolation_level=None: no implicit transactions; every write says BEGIN IMMEDIATE itself.

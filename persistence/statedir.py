@@ -9,6 +9,8 @@ Three ``fcntl.flock`` locks guard the directory:
 
 * ``.keel-generation.lock`` (exclusive, blocking) serializes everything that reads a whole
   generation or replaces one: snapshot, restore, recovery, reset, and a server while it starts.
+  A snapshot, which only reads, takes it through a descriptor opened to read where it may not
+  open one to write, and not at all in a directory no one may write in (a read-only copy).
 * ``.keel.lock`` is held *shared* by every process that uses the live state (several may), and
   taken *exclusively without waiting* by restore and reset, which refuse while anyone holds it.
 * ``.keel-serve.lock`` is taken *exclusively without waiting* by the server: one per directory.
@@ -37,6 +39,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import overload
 
 import attrs
 
@@ -56,6 +59,7 @@ DIR_MODE = 0o750
 DOCUMENT_MODE = 0o644
 PRIVATE_MODE = 0o600
 _CHUNK_BYTES = 1 << 20
+MIN_FREE_BYTES = 16 << 20  # less free in the state directory and a turn may not be stored: one can write a few MiB
 
 # Bare, visible names of the kind Keel gives its databases; anything else is refused rather
 # than escaped, so a manifest or journal can never name a path outside its directory.
@@ -299,6 +303,29 @@ def write_refused(directory: Path) -> str | None:
     return None if os.geteuid() == 0 else "this user may not write in it"
 
 
+def free_bytes(directory: Path) -> int:
+    """The bytes this user may still write on the file system of ``directory``."""
+    usage = os.statvfs(directory)
+    return usage.f_bavail * usage.f_frsize
+
+
+def nearly_full(free: int, min_free: int) -> str:
+    """Why a state directory with ``free`` bytes free, under ``min_free``, cannot be served from,
+    in the words ``/healthz`` and ``check`` use: an empty file can still be made on a full disk,
+    a turn cannot be stored."""
+    return (
+        f"nearly full: {free} bytes free, under the {min_free} a turn may need;"
+        " free space on its disk, or give the server a state directory on one with room"
+    )
+
+
+def too_full(directory: Path) -> str | None:
+    """Why the state directory ``directory`` (or, not yet there, where it would be created: its
+    nearest existing parent) has too little room to serve from, or None."""
+    free = free_bytes(directory)
+    return nearly_full(free, MIN_FREE_BYTES) if free < MIN_FREE_BYTES else None
+
+
 def nearest_existing(path: Path) -> Path:
     """``path`` made absolute, or the nearest of its parents that exists. Raises OSError when a
     parent cannot be searched, or a name is too long: the path cannot be reached."""
@@ -402,6 +429,25 @@ def _remove_probe(state_dir: Path, made: str, remove: Callable[[str], None]) -> 
         raise UnusableStateDir(state_dir, f"what was made to try it, {made}, cannot be removed ({why}); remove it by hand") from None
 
 
+WRITE_IT = "run the server as a user who may write {it}, or make {it} writable by this one"
+
+
+def require_writable(state_dir: Path, names: Sequence[str]) -> None:
+    """Refuse, with UnusableStateDir, the files among ``names`` in ``state_dir`` (those that are
+    there) that this user may not read and write: a server would read them, say it is ready, and
+    fail every request that stores something. Their permissions tell, and for root, whom they do
+    not bind, the file system (a read-only one, an immutable file)."""
+    refused = [name for name in names if os.path.lexists(state_dir / name) and not os.access(state_dir / name, os.R_OK | os.W_OK)]
+    if not refused:
+        return
+    it = "it" if len(refused) == 1 else "them"
+    if os.statvfs(state_dir).f_flag & os.ST_RDONLY:
+        why = "its file system is read-only"
+    else:
+        why = f"not even root may write {it}" if os.geteuid() == 0 else f"this user may not read and write {it}"
+    raise UnusableStateDir(state_dir, f"{', '.join(refused)} in it cannot be written ({why})", WRITE_IT.format(it=it))
+
+
 def holds_keel_state(state_dir: Path, names: list[str]) -> bool:
     """Whether ``names`` (what ``state_dir`` holds) are Keel's: restore residue or a database
     carrying a Keel schema identity, or Keel's lock files beside no database of another program.
@@ -446,24 +492,58 @@ def make_fresh_dir(path: Path) -> None:
     os.mkdir(path, DIR_MODE)
 
 
-def _open_lock_file(state_dir: Path, name: str) -> int:
+@overload
+def _open_lock_file(state_dir: Path, name: str) -> int: ...
+@overload
+def _open_lock_file(state_dir: Path, name: str, *, reading: bool) -> int | None: ...
+def _open_lock_file(state_dir: Path, name: str, *, reading: bool = False) -> int | None:
+    """The lock file ``name``, opened (and made, if it is not there yet). ``reading``: for a
+    process that only reads the generation (a snapshot), which needs no more of a lock file than to
+    read it (flock asks no more), and needs none in a directory no one may write in (a read-only
+    copy, a backup volume: no restore and no server can change a thing there); None then."""
     path = state_dir / name
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise StateError(f"the state lock {path} must not be a symlink") from exc
+        fix = CHOOSE_ANOTHER
+        if reading and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                if written_by_no_one(state_dir):
+                    return None
+                fix = READ_AS_ITS_OWNER
+            else:
+                return _regular_lock_file(fd, path)
         if os.path.lexists(path):
             if not stat.S_ISREG(os.lstat(path).st_mode):
                 raise StateError(f"the state lock {path} must be a regular file") from exc
-            raise UnusableStateDir(state_dir, f"its lock file {name} cannot be opened ({exc.strerror or exc})") from exc
+            raise UnusableStateDir(state_dir, f"its lock file {name} cannot be opened ({exc.strerror or exc})", fix) from exc
         if os.path.lexists(state_dir):
             require_directory(state_dir)
-        raise UnusableStateDir(state_dir, f"no file can be made in it ({refusal(exc, 'files', state_dir)})") from exc
+        raise UnusableStateDir(state_dir, f"no file can be made in it ({refusal(exc, 'files', state_dir)})", fix) from exc
+    return _regular_lock_file(fd, path)
+
+
+READ_AS_ITS_OWNER = (
+    "run the snapshot as the user its server runs as or, for a copy no server uses, make the directory read-only"
+    " (chmod a-w) and snapshot it then"
+)
+
+
+def _regular_lock_file(fd: int, path: Path) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise StateError(f"the state lock {path} must be a regular file")
     return fd
+
+
+def written_by_no_one(directory: Path) -> bool:
+    """Whether no one may make or remove an entry in ``directory``, which exists: its file system
+    is read-only, or its permissions let no one write in it (root, whom they do not bind, aside)."""
+    return bool(os.statvfs(directory).f_flag & os.ST_RDONLY) or not os.stat(directory).st_mode & 0o222
 
 
 def _release(fd: int) -> None:
@@ -474,10 +554,14 @@ def _release(fd: int) -> None:
 
 
 @contextmanager
-def generation_lock(state_dir: Path) -> Iterator[None]:
+def generation_lock(state_dir: Path, *, reading: bool = False) -> Iterator[None]:
     """Hold the generation lock; blocks while another process snapshots, restores or recovers
-    (saying so in the log once, so that a wait is not taken for a hang)."""
-    fd = _open_lock_file(state_dir, GENERATION_LOCK_NAME)
+    (saying so in the log once, so that a wait is not taken for a hang). ``reading``: for a
+    snapshot, which may read a directory it may not write in (see ``_open_lock_file``)."""
+    fd = _open_lock_file(state_dir, GENERATION_LOCK_NAME, reading=reading)
+    if fd is None:  # no one may write in it: nothing there can change, and nothing is to be held
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -4,8 +4,8 @@ Nothing below ``main`` reads the environment: the CLI builds a Config with ``Con
 passes it down. Every problem is collected, so ``python -m runtime check`` can print them all at
 once; values of secrets never appear in a message. ``check`` also probes what only trying tells
 (``Config.load(..., probe=True)``): that serve could listen on the host and create its state
-directory, leaving nothing behind, and use the databases there (read only; SQLite may leave the
-empty -wal and -shm files any reader of a WAL database makes).
+directory, leaving nothing behind, with the room there that ``/healthz`` wants, and use the
+databases there (read only, making nothing beside them where no server has them open).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from persistence.statedir import (
     nearest_existing,
     not_a_directory,
     not_under,
+    require_writable,
+    too_full,
     try_state_dir,
     write_refused,
 )
@@ -144,17 +146,21 @@ TASKS_FILE = "tasks.db"
 
 
 def preflight(state_dir: Path) -> None:
-    """Refuse databases this build cannot use, reading only. Blocking: run it in a thread."""
+    """Refuse databases (with their SQLite files) this user may not read and write, and those
+    this build cannot use, reading only. Blocking: run it in a thread."""
+    require_writable(state_dir, [name + suffix for name in (SESSIONS_FILE, TASKS_FILE) for suffix in ("", "-wal", "-shm")])
     inspect(state_dir / SESSIONS_FILE, SESSIONS_SCHEMA)
     inspect(state_dir / TASKS_FILE, TASKS_SCHEMA)
 
 
 def _can_make_state_dir(path: Path) -> None:
-    """What serve will do, tried, leaving nothing behind (persistence.statedir.try_state_dir),
-    and its databases read as serve's preflight reads them (SQLite may leave a WAL database's
-    empty -wal and -shm files, as for any reader)."""
+    """What serve will do, tried, leaving nothing behind (persistence.statedir.try_state_dir);
+    the room left there, which /healthz wants; and its databases read as serve's preflight reads
+    them (making nothing beside them where no server has them open)."""
     try:
         try_state_dir(path)
+        if why := too_full(nearest_existing(path)):
+            raise ValueError(f"it is {why}")
         preflight(path)
     except UnusableStateDir as exc:
         raise ValueError(exc.why) from None

@@ -27,6 +27,7 @@ import trio
 
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.sqlite import Schema, inspect
+from persistence.statedir import MIN_FREE_BYTES, free_bytes, nearly_full
 from persistence.tasks import TASKS_SCHEMA
 from runtime.models.errors import ModelError
 
@@ -34,7 +35,6 @@ logger = logging.getLogger(__name__)
 
 NOT_STARTED = "the A2A server has not started"
 DEFAULT_PROBE_TIMEOUT_S = 5.0
-MIN_FREE_BYTES = 16 << 20  # less free in the state directory is unready: a turn can write a few MiB
 
 
 class ModelCatalog(Protocol):
@@ -132,10 +132,7 @@ class Health:
         if free < self.min_free_bytes:
             # An empty file can still be made on a full disk; a task or an answer cannot be stored.
             logger.warning("readiness: the state directory %s has %d bytes free", self.state_dir, free)
-            return (
-                f"state directory is nearly full: {free} bytes free, under the {self.min_free_bytes} a turn may need;"
-                " free space on its disk, or give the server a state directory on one with room"
-            )
+            return f"state directory is {nearly_full(free, self.min_free_bytes)}"
         return None
 
     async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:
@@ -167,8 +164,7 @@ def _touch_and_measure(state_dir: Path) -> int:
     fd, name = tempfile.mkstemp(prefix=".readiness-", dir=state_dir)
     os.close(fd)
     os.unlink(name)
-    usage = os.statvfs(state_dir)
-    return usage.f_bavail * usage.f_frsize
+    return free_bytes(state_dir)
 
 
 def _inspect_existing(path: Path, schema: Schema) -> None:

@@ -7,6 +7,8 @@ import select
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from persistence.schema import SchemaIdentity, write_identity_txn
@@ -151,3 +153,35 @@ def make_damaged_db(path: Path) -> None:
             )
     finally:
         conn.close()
+
+
+def in_wal_mode(path: Path) -> None:
+    """Switch a database to WAL, as Keel keeps its own; closed, it leaves no -wal or -shm beside it."""
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode=WAL").fetchone() == ("wal",)
+    finally:
+        conn.close()
+
+
+def grow(path: Path, size_bytes: int) -> None:
+    """Add ``size_bytes`` of random bytes to a database (in a table of its own), to fill a disk with."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            conn.execute("CREATE TABLE padding (body BLOB NOT NULL)")
+            conn.executemany("INSERT INTO padding (body) VALUES (?)", ((os.urandom(1 << 16),) for _ in range(size_bytes >> 16)))
+    finally:
+        conn.close()
+
+
+@contextmanager
+def small_disk(where: Path, size: str) -> Iterator[Path]:
+    """A file system of ``size`` (``1m``) mounted at ``where`` (a tmpfs) for the block: a disk that fills."""
+    where.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True)
+    assert mounted.returncode == 0, f"mounting a {size} tmpfs at {where} failed (run the suite as root): {mounted.stderr}"
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)

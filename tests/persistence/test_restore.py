@@ -193,6 +193,8 @@ def test_restore_refuses_a_bad_snapshot_before_touching_live_state(
         restore_snapshot(snapshot, state_dir)
 
     assert message in str(caught.value)
+    assert str(snapshot) in str(caught.value)  # which snapshot, whichever of its files is at fault
+    assert str(caught.value).endswith(f"; nothing in {state_dir} was changed: restore another snapshot")
     assert (sorted(os.listdir(state_dir)), fingerprint(state_dir)) == before  # not even a lock file
 
 

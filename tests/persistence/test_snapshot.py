@@ -11,9 +11,11 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from persistence import snapshot as snapshot_module
 from persistence.manifest import read_snapshot
 from persistence.schema import SchemaIdentity
 from persistence.snapshot import complete_snapshots, create_snapshot
@@ -190,3 +192,29 @@ def test_snapshot_runs_recovery_first_and_refuses_unaccountable_state(state_dir:
 def test_snapshot_refuses_a_malformed_timestamp(state_dir: Path, stamp: str) -> None:
     with pytest.raises(SnapshotError, match="must be a UTC time written like 20260131T235959Z"):
         snap(state_dir, stamp)
+
+
+def test_a_snapshot_holds_every_database_as_it_was_at_one_moment(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server writes to both databases while a snapshot copies them, one after the other. A write
+    # committed after the snapshot began is in none of its copies: a task restored as completed
+    # must not be missing its answer from the conversation copied before it.
+    server = {name: sqlite3.connect(state_dir / name, isolation_level=None) for name in ("runtime.db", "tasks.db")}
+    copy = snapshot_module._copy_database
+
+    def a_write_while_copying(*args: Any, **kwargs: Any) -> Any:
+        copied = copy(*args, **kwargs)
+        if Path(args[0]).name == "runtime.db":
+            server["tasks.db"].execute("INSERT INTO items (label) VALUES ('written-while-copying')")
+        return copied
+
+    monkeypatch.setattr(snapshot_module, "_copy_database", a_write_while_copying)
+    try:
+        for conn in server.values():
+            conn.execute("PRAGMA journal_mode=WAL")  # as the server keeps them, open throughout
+        snapshot = snap(state_dir)
+    finally:
+        for conn in server.values():
+            conn.close()
+
+    assert labels(state_dir / "tasks.db")[-1] == "written-while-copying"
+    assert labels(snapshot / "tasks.db") == ["live-0", "live-1", "live-2"]

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
+import trio
 
 from persistence.recovery import hold_state_dir
+from persistence.sessions import open_session_store
 from persistence.statedir import StateError
+from persistence.tasks import open_task_store
+from runtime.config import Config, ConfigError
 from tests.persistence.state_helpers import TASKS, make_db
 from tests.runtime.test_config import run_cli
 
@@ -72,3 +78,64 @@ def test_check_reads_the_databases_as_serve_would_and_names_one_it_cannot_use(
     assert f"AGENT_STATE_DIR='{state}' is not valid: " in checked.stderr and said in checked.stderr, checked.stderr
     assert "Traceback" not in checked.stderr
     assert sorted(path.name for path in state.iterdir()) == before  # read only: nothing made, nothing changed
+
+
+async def test_check_of_a_state_directory_a_stopped_server_left_makes_nothing_beside_its_databases(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    async with open_session_store(state / "runtime.db"), open_task_store(state / "tasks.db"):
+        pass  # WAL databases as a server leaves them: its last connection closed removed each -wal and -shm
+    before = sorted(path.name for path in state.iterdir())
+    assert before == ["runtime.db", "tasks.db"]
+
+    checked = await trio.to_thread.run_sync(partial(run_cli, "check", env={"AGENT_STATE_DIR": str(state)}))
+
+    assert checked.returncode == 0, checked.stderr
+    assert sorted(path.name for path in state.iterdir()) == before  # no runtime.db-wal, no tasks.db-shm
+
+
+@pytest.mark.parametrize("exists", [True, False], ids=["the-directory", "where-it-would-be-created"])
+def test_check_reports_a_state_directory_too_full_to_store_a_turn_as_healthz_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exists: bool
+) -> None:
+    # An empty file can be made on a full disk, so making one proves little; here "too full" is
+    # set past what any disk has free, as the /healthz test sets it.
+    monkeypatch.setattr("persistence.statedir.MIN_FREE_BYTES", 1 << 62)
+    state = tmp_path / "state"
+    if exists:
+        state.mkdir()
+
+    with pytest.raises(ConfigError) as refused:
+        Config.load({"AGENT_STATE_DIR": str(state)}, probe=True)
+
+    [problem] = refused.value.problems
+    prefix = f"AGENT_STATE_DIR='{state}' is not valid: it is nearly full: "
+    free, _, rest = problem.removeprefix(prefix).partition(" bytes free")
+    assert problem.startswith(prefix) and int(free) > 0, problem
+    assert rest == f", under the {1 << 62} a turn may need; free space on its disk, or give the server a state directory on one with room"
+    assert sorted(tmp_path.iterdir()) == ([state] if exists else [])
+
+
+async def test_check_and_serve_refuse_a_database_this_user_may_not_write(tmp_path: Path) -> None:
+    # A server started as another user than the one its databases belong to read them, said it
+    # was ready, and failed every request that stores something. Permissions do not bind root;
+    # an immutable file (chattr +i) does.
+    state = tmp_path / "state"
+    state.mkdir()
+    async with open_session_store(state / "runtime.db"), open_task_store(state / "tasks.db"):
+        pass
+    made_immutable = subprocess.run(["chattr", "+i", str(state / "tasks.db")], capture_output=True, text=True)
+    assert made_immutable.returncode == 0, f"chattr +i failed (run the suite as root on ext4): {made_immutable.stderr}"
+    try:
+        checked = await trio.to_thread.run_sync(partial(run_cli, "check", env={"AGENT_STATE_DIR": str(state)}))
+        served = await trio.to_thread.run_sync(partial(run_cli, "serve", "--port", "0", env={"AGENT_STATE_DIR": str(state)}))
+    finally:
+        subprocess.run(["chattr", "-i", str(state / "tasks.db")], check=True)
+    why = "tasks.db in it cannot be written (not even root may write it)" if os.geteuid() == 0 else "tasks.db in it cannot be written (this user may not read and write it)"
+    assert checked.returncode == 1, checked.stdout
+    assert f"AGENT_STATE_DIR='{state}' is not valid: {why}\n" in checked.stderr
+    assert served.returncode == 1 and "keel serving" not in served.stdout, served.stdout
+    assert served.stderr.strip().splitlines()[-1] == (
+        f"error: the state directory {state} cannot be used: {why}; run the server as a user who may write it, or make it"
+        " writable by this one"
+    )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,11 +17,14 @@ from tests.persistence.state_helpers import (
     TASKS,
     fingerprint,
     finish_child,
+    grow,
+    in_wal_mode,
     labels,
     make_db,
     new_snapshot,
     old_generation,
     run_child,
+    small_disk,
     snapshot_databases,
     start_child,
     wait_for_line,
@@ -182,7 +187,10 @@ def test_state_restore_reports_a_damaged_snapshot_and_changes_nothing(tmp_path: 
     refused = keel(tmp_path, "state", "restore", str(snapshot))
 
     assert refused.returncode == 1
-    assert refused.stderr.strip() == f"error: Snapshot manifest hash does not match .complete: {snapshot}"
+    assert refused.stderr.strip() == (
+        f"error: Snapshot manifest hash does not match .complete: {snapshot}; nothing in .state was changed: restore"
+        " another snapshot"
+    )
     assert fingerprint(state) == before
 
 
@@ -393,3 +401,83 @@ def test_state_recover_promises_a_server_only_a_directory_one_could_use(tmp_path
     assert fresh.stdout.strip() == "new/state: no state directory yet: nothing to recover (serve creates it)"
     assert not (tmp_path / "new").exists()  # what was tried was made and removed
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".keel-check-")]
+
+
+# -- a state directory no one may write in, and disks that fill ----------------------------------
+
+
+@contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """``directory`` and its files as on a read-only copy (a backup volume): writable by no one,
+    root included (chattr +i: root passes every permission check)."""
+    entries = [directory, *directory.iterdir()]
+    for entry in entries:
+        entry.chmod(0o555 if entry.is_dir() else 0o444)
+    made_immutable = subprocess.run(["chattr", "+i", *map(str, entries)], capture_output=True, text=True)
+    assert made_immutable.returncode == 0, f"chattr +i failed (run the suite as root on ext4): {made_immutable.stderr}"
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, entries)], check=True)
+        directory.chmod(0o750)
+
+
+@pytest.mark.parametrize("locks", [True, False], ids=["with-its-lock-files", "without-lock-files"])
+def test_state_snapshot_of_a_state_directory_no_one_may_write_in_takes_what_it_holds(tmp_path: Path, locks: bool) -> None:
+    state = live_state(tmp_path)
+    for database in ("runtime.db", "tasks.db"):
+        in_wal_mode(state / database)  # as Keel keeps them: reading one in place needs a -wal and -shm beside it
+    if locks:  # what a server made there before the copy was taken
+        for name in LOCK_FILES:
+            (state / name).touch(mode=0o600)
+    before = contents(state)
+
+    with read_only(state):
+        result = keel(tmp_path, "state", "snapshot", "--backup-root", str(tmp_path / "vault"))
+        after = contents(state)
+
+    assert result.returncode == 0, result.stderr
+    assert after == before  # nothing made in it, nothing changed
+    snapshot = Path(result.stdout.strip())
+    assert snapshot_databases(snapshot).keys() == {"runtime.db", "tasks.db"}
+    restored = keel(tmp_path, "state", "restore", str(snapshot), "--state-dir", "restored")
+    assert restored.returncode == 0, restored.stderr
+    assert labels(tmp_path / "restored" / "tasks.db") == ["snapshotted-0", "snapshotted-1", "snapshotted-2"]
+
+
+def test_state_snapshot_onto_a_full_disk_names_the_backup_root_and_publishes_nothing(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    grow(state / "tasks.db", 2 << 20)
+    with small_disk(tmp_path / "small", "1m") as small:
+        result = keel(tmp_path, "state", "snapshot", "--backup-root", str(small / "vault"))
+        left = sorted(path.name for path in (small / "vault").iterdir())
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error: the backup root {small / 'vault'} has no room for a snapshot of {Path('.state')} (its file system is full),"
+        " so none was written; free space on its disk, or give --backup-root (or AGENT_BACKUP_ROOT) a directory on one"
+        " with room"
+    )
+    assert left == []  # what was copied before the disk filled is gone
+
+
+def test_state_restore_onto_a_full_disk_names_the_state_directory_and_changes_nothing(tmp_path: Path) -> None:
+    snapshot = new_snapshot(tmp_path)
+    with small_disk(tmp_path / "small", "1m") as small:
+        state = small / "state"
+        make_db(state / "runtime.db", SESSIONS, "live")
+        make_db(state / "tasks.db", TASKS, "live")
+        before = fingerprint(state)
+        grow(snapshot.parent.parent / "source-20260102T030405Z" / "memory.db", 2 << 20)
+        big = keel(tmp_path, "state", "snapshot", "--state-dir", "source-20260102T030405Z", "--timestamp", "20260103T000000Z")
+        assert big.returncode == 0, big.stderr
+
+        result = keel(tmp_path, "state", "restore", big.stdout.strip(), "--state-dir", str(state))
+        after = fingerprint(state)
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error: restoring {big.stdout.strip()} failed: the state directory {state} has no room for its databases"
+        " (its file system is full), and the live databases are as they were; free space on its disk and restore again"
+    )
+    assert after == before
