@@ -380,13 +380,13 @@ class SqlitePool:
         """Close the connection once the calls already queued have run (they raise StoreClosed).
 
         Cancellable, unlike a call: cancelled (a shutdown's bound, past a stalled disk), it
-        returns at once, and the pool's thread still closes the connection when it gets there."""
+        returns at once, and the pool's thread still closes the connection when it gets there.
+        A pool no call has used starts its thread for the close: closing the last connection
+        checkpoints the WAL, disk work like any write, and the close is handed over before the
+        first checkpoint, so a cancellation can neither hold this call nor lose the close."""
         if self._closed:
             return
         self._closed = True
-        if self._thread is None:
-            await trio.to_thread.run_sync(self._conn.close)
-            return
         task = trio.lowlevel.current_task()
         waiting = True
 
@@ -399,6 +399,7 @@ class SqlitePool:
             waiting = False
             return trio.lowlevel.Abort.SUCCEEDED
 
-        self._put(_Job(_close, (), trio.lowlevel.current_trio_token(), closed))
+        self._put(_Job(_close, (), trio.lowlevel.current_trio_token(), closed))  # starts the thread if need be
+        assert self._thread is not None
         await trio.lowlevel.wait_task_rescheduled(abort)
         await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)

@@ -607,7 +607,7 @@ class Runner:
             logger.exception("task %s failed inside the runner", live.task.id)
             final = _settle(TaskState.FAILED, "The task failed with an internal error.")
         finally:
-            if final is None and self._abandoned:  # left as stored, for the next process
+            if final is None and self._cut_from_outside(live):  # left as stored, for the next process
                 live.close(end_stored=False)
             else:
                 if final is None:  # cancelled: by CancelTask, or by shutdown (after the drain, or cutting it short)
@@ -619,6 +619,14 @@ class Runner:
             del self._live[live.task.id]
             if not self._live:
                 self._idle.set()
+
+    def _cut_from_outside(self, live: LiveTask) -> bool:
+        """Whether a run that did not finish was stopped by neither a CancelTask nor this runner's
+        stop (its drain, or a third signal after it): by abandon(), or by a cancellation of the
+        scope the runner runs in before anything told it to stop. The latter is a start given up
+        on, whose abandon() the same cancellation reaches only after this run's end: its task
+        is not the run's to settle, but the next process's to take up, as after a crash."""
+        return self._abandoned or not (self._stopping.is_set() or live.scope.cancel_called)
 
     async def _store_end(self, live: LiveTask, final: Outcome) -> bool:
         """Write the run's final state. If the store fails (a full disk, say), subscribers and a

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import functools
+import socket
+import sqlite3
 from pathlib import Path
 
+import attrs
 import httpx
+import hypercorn.trio
 import pytest
 import trio
+import trio.testing
 
+import runtime.server
 from fake_model import FakeModel, Reply
+from persistence.errors import DatabaseBusy
+from persistence.sessions import SqliteSessionStore
+from persistence.tasks import open_task_store
+from protocol import TaskState
 from runtime.agent import AgentSpec
-from tests.e2e.harness import rpc, user_message
+from runtime.config import Config
+from runtime.models import ChatRequest
+from runtime.runner import ANONYMOUS
+from runtime.tasks import decode
+from tests.e2e.harness import rpc, stored_task, user_message
 from tests.e2e.served_server import running_server
-from tests.runtime.served import GATE_CALL, Gate
+from tests.runtime.agent_support import Answer, ScriptedStream
+from tests.runtime.served import DEADLINE_S, GATE_CALL, Gate
+from tests.runtime.test_turns import left_by_a_dead_process
 
 
 async def test_shutdown_refuses_new_tasks_reports_unready_and_lets_a_running_task_finish(
@@ -37,8 +54,6 @@ async def test_shutdown_refuses_new_tasks_reports_unready_and_lets_a_running_tas
         gate.opened.set()
         with trio.fail_after(30):
             await server.stopped.wait()
-    from tests.e2e.harness import stored_task
-
     state, task = stored_task(tmp_path / "state", task_id)  # type: ignore[misc]
     assert state == "TASK_STATE_COMPLETED"
     assert task["status"]["message"]["parts"] == [{"text": "done after the gate"}]
@@ -57,8 +72,6 @@ async def test_a_clients_task_metadata_comes_back_exactly_as_sent(tmp_path: Path
 
 
 async def test_healthz_names_an_unreachable_model_server_without_waiting_on_retries(tmp_path: Path) -> None:
-    import socket
-
     with socket.socket() as probe:  # a loopback port nobody listens on
         probe.bind(("127.0.0.1", 0))
         dead_url = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
@@ -100,15 +113,6 @@ async def test_a_steer_sent_while_the_answer_is_written_gets_one_more_step(tmp_p
 async def test_a_task_store_that_cannot_be_opened_stops_the_start_and_closes_the_session_store(
     tmp_path: Path, fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sqlite3
-
-    import attrs
-
-    import runtime.server
-    from persistence.errors import DatabaseBusy
-    from persistence.sessions import SqliteSessionStore
-    from runtime.config import Config
-
     opened: list[SqliteSessionStore] = []
     open_sessions = SqliteSessionStore.open
 
@@ -130,3 +134,54 @@ async def test_a_task_store_that_cannot_be_opened_stops_the_start_and_closes_the
     [sessions] = opened
     with pytest.raises(sqlite3.ProgrammingError, match="closed"):
         sessions.pool._conn.execute("SELECT 1")  # the connection was closed, not left to the collector
+
+
+async def test_a_start_given_up_while_http_starts_leaves_the_tasks_it_took_up_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A signal before the server serves ends the start, and what the runner took up of a dead
+    # process's work is left for the next process (runtime.server abandons the runner): not
+    # written CANCELED by the runs the same cancellation reaches first.
+    state = tmp_path / "state"
+    first = await left_by_a_dead_process(state, TaskState.WORKING, lambda _: [], text="Roll back the deploy.")
+    second = await left_by_a_dead_process(state, TaskState.WORKING, lambda _: [], text="Then page the owner.")
+    with sqlite3.connect(state / "tasks.db") as conn:  # made a millisecond apart: the second waits for the first's turn
+        conn.execute("UPDATE tasks SET created_at_ms = created_at_ms + 1 WHERE id = ?", (second,))
+    conn.close()
+
+    @attrs.define(eq=False)
+    class HeldModel:
+        """Asked, it holds its answer until cancelled; its catalog lists it."""
+
+        asked: trio.Event = attrs.field(factory=trio.Event)
+        model: str = "held"
+        endpoint: str = "in process"
+
+        def stream(self, request: ChatRequest) -> ScriptedStream:
+            self.asked.set()
+            return ScriptedStream(Answer(hold=trio.Event()))
+
+        async def has_model(self, name: str | None = None) -> bool:
+            return True
+
+    http_starting = trio.Event()
+
+    async def still_starting(*_args: object, **_kwargs: object) -> None:  # hypercorn, not yet serving
+        http_starting.set()
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(hypercorn.trio, "serve", still_starting)
+    model = HeldModel()
+    config = attrs.evolve(Config(), port=0, state_dir=state)
+    with trio.CancelScope() as start:  # what serve_cli cancels on a signal before the server serves
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(runtime.server.serve, config, trio.Event(), model=model))
+            with trio.fail_after(DEADLINE_S):
+                await model.asked.wait()  # the first task's run asks the model; the second's waits for the turn
+                await http_starting.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            start.cancel()
+    assert start.cancelled_caught
+    async with open_task_store(state / "tasks.db") as tasks:
+        states = [decode(await tasks.get(ANONYMOUS, task_id)).status.state for task_id in (first, second)]
+    assert states == [TaskState.WORKING, TaskState.WORKING]

@@ -377,6 +377,48 @@ async def test_a_bound_on_closing_a_pool_holds_while_a_call_is_stalled_and_the_t
         assert conn.execute("SELECT app_name FROM app_states").fetchall() == [("stalled",)]
 
 
+async def test_a_bound_on_closing_a_pool_that_never_ran_a_call_holds_while_its_close_is_stalled(tmp_path: Path) -> None:
+    # An idle server's runtime.db: no request used it, so its pool has no thread yet. Closing the
+    # last connection checkpoints the WAL into the file, as much disk work as any write.
+    path = tmp_path / "runtime.db"
+    started, release, closed = threading.Event(), threading.Event(), threading.Event()
+
+    class StalledClose(sqlite3.Connection):
+        def close(self) -> None:  # a disk that stopped answering
+            started.set()
+            release.wait(10)
+            super().close()
+            closed.set()
+
+    pool = SqlitePool(path=path, conn=sqlite3.connect(path, factory=StalledClose, check_same_thread=False))
+    start = trio.current_time()
+    with trio.move_on_after(0.2, shield=True) as bound:  # as the server bounds each store's close
+        await pool.aclose()
+    assert bound.cancelled_caught and trio.current_time() - start < 2, "aclose() waited past its bound for the stalled close"
+    assert started.is_set()
+    release.set()  # the disk answers: the file is closed all the same
+    assert await trio.to_thread.run_sync(closed.wait, 10)
+
+
+async def test_a_pool_closed_in_a_scope_already_cancelled_still_closes_its_file(tmp_path: Path) -> None:
+    # A shutdown whose bound ran out before this store's turn: the file must not be left open,
+    # with the pool marked closed so that no later close does it either.
+    path = tmp_path / "runtime.db"
+    closed = threading.Event()
+
+    class NotedClose(sqlite3.Connection):
+        def close(self) -> None:
+            super().close()
+            closed.set()
+
+    pool = SqlitePool(path=path, conn=sqlite3.connect(path, factory=NotedClose, check_same_thread=False))
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await pool.aclose()
+    await pool.aclose()  # closed already: returns at once
+    assert await trio.to_thread.run_sync(closed.wait, 10), "the connection was never closed"
+
+
 async def test_a_database_file_removed_under_its_store_takes_no_writes_until_it_is_put_back(tmp_path: Path) -> None:
     from persistence.errors import DatabaseGone
 
