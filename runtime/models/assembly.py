@@ -15,11 +15,7 @@ import attrs
 from persistence.transcript import Message, ToolCall
 from runtime.models.errors import ModelBadResponse
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
-from runtime.models.wire import arguments_text, inferred_finish_reason, optional_str, parse_usage, tool_call, unicode_text
-
-# What is kept of what a server said (an error, a chunk that is not JSON), for the log: more
-# than the log keeps, so that a secret across the log's cut is still whole when it is scrubbed.
-SAID_CHARS = 8000
+from runtime.models.wire import SAID_CHARS, arguments_text, inferred_finish_reason, optional_str, parse_usage, tool_call, unicode_text
 
 
 @attrs.define

@@ -30,7 +30,7 @@ import trio
 from persistence.transcript import Message
 from protocol import SseLines
 from protocol.sse import LineTooLong
-from runtime.models.assembly import SAID_CHARS, StreamAssembler
+from runtime.models.assembly import StreamAssembler
 from runtime.models.errors import (
     ModelBadResponse,
     ModelError,
@@ -40,7 +40,7 @@ from runtime.models.errors import (
     ModelUnavailable,
 )
 from runtime.models.values import ChatRequest, Completion, Delta, Finish, TextDelta
-from runtime.models.wire import parse_completion, request_body
+from runtime.models.wire import SAID_CHARS, parse_completion, request_body
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +107,11 @@ class ModelConfig:
     """Where the model is and how long to wait for it.
 
     ``read_timeout_s`` bounds each wait for data: for the answer to start, and between two
-    pieces of it (keep-alive comments in a stream, and whitespace in a whole JSON answer, are
-    not data). A bound on the whole call is the caller's ``trio.fail_after``. At most
-    ``max_connections`` requests are open at once; the others wait their turn for as long as it
-    takes (as a model server queues what it cannot run yet), never failing for it.
+    pieces of it (keep-alive comments and events with empty data in a stream, and whitespace in
+    a whole JSON answer, are not data). A bound on the whole call is the caller's
+    ``trio.fail_after``. At most ``max_connections`` requests are open at once; the others wait
+    their turn for as long as it takes (as a model server queues what it cannot run yet), never
+    failing for it.
     """
 
     base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url, repr=without_credentials)
@@ -248,7 +249,12 @@ class ModelClient:
         """
         body = request_body(request, model=self.config.model, stream=False)
         response = await self._open("POST", "chat/completions", body, accept="application/json")
-        return parse_completion(await self._read_json(response), model=self.config.model)
+        data = await self._read_json(response)
+        try:
+            return parse_completion(data, model=self.config.model)
+        except ModelError as exc:  # what the server said may repeat the key it was sent
+            exc.detail = self._scrub_cut(exc.detail)
+            raise
 
     def stream(self, request: ChatRequest) -> ChatStream:
         """The model's next message as it is produced::
@@ -585,7 +591,7 @@ class ChatStream:
             try:
                 self._whole = parse_completion(data, model=self._client.config.model)
             except ModelError as exc:
-                exc.detail = self._client._scrub(exc.detail)
+                exc.detail = self._client._scrub_cut(exc.detail)
                 raise
             self._pending.extend(_deltas(self._whole))
             return self
@@ -637,14 +643,21 @@ class ChatStream:
                     if line is None:
                         self._pending.extend(self._assembler.end_of_stream(cut_off=self._cut_off))
                         continue
-                    if line.startswith("data"):
+                    field, _, value = line.partition(":")
+                    if field == "data" and value.strip():  # an event with empty data is a heartbeat, as a comment is
                         self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
                     self._pending.extend(self._assembler.feed_line(line))
                 except ModelError as exc:  # what the server said may repeat the key it was sent
                     exc.detail = self._client._scrub_cut(exc.detail)
                     raise
             return self._pending.popleft()
-        if self._assembler.done:  # the answer was whole; only what followed [DONE] was cut off
+        if self._assembler.finished:
+            # The model had finished: only what follows its answer (the usage, [DONE], the end
+            # of the body) did not come. The answer is whole, as when the connection breaks there.
+            if not self._assembler.done:
+                self._pending.extend(self._assembler.end_of_stream(cut_off=True))
+            if self._pending:
+                return self._pending.popleft()
             raise StopAsyncIteration
         waiting_for, detail = _waiting_for(self._assembler.started), "no data arrived in that time, keep-alive comments at most"
         raise ModelTimeout(self._client.config.model, waiting_for, timeout_s, detail=detail)

@@ -2,8 +2,9 @@
 
 Tool-call arguments travel as the raw text the model produced, in both directions: a stored
 ``ToolCall.arguments`` goes out as ``function.arguments`` unchanged and an answer's arguments come
-back unchanged (duplicate keys, key order and whitespace included). They are never parsed here.
-The one exception is text that is not Unicode at all (see ``unicode_text``), which no store holds.
+back unchanged (duplicate keys, key order and whitespace included). The exceptions are text that
+is not Unicode at all (see ``unicode_text``), which no store holds, and arguments going out that
+are not a JSON object (see ``wire_arguments``), which servers refuse to read back.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from persistence.transcript import Message, ToolCall
 from persistence.validate import lone_surrogate
 from runtime.models.errors import ModelBadResponse
 from runtime.models.values import ChatRequest, Completion, ToolSpec, Usage
+
+# What is kept of what a server said (an error, a chunk that is not JSON), for the log: more
+# than the log keeps, so that a secret across the log's cut is still whole when it is scrubbed.
+SAID_CHARS = 8000
 
 
 def request_body(request: ChatRequest, *, model: str, stream: bool) -> dict[str, Any]:
@@ -59,7 +64,34 @@ def message_to_wire(index: int, message: Message) -> dict[str, Any]:
 
 
 def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": wire_arguments(call.arguments)}}
+
+
+def wire_arguments(arguments: str) -> str:
+    """A call's arguments as they are sent back with it: the model's text, unchanged, when it is
+    a JSON object; otherwise a JSON object the server can read.
+
+    Servers read the arguments of the calls in a transcript back as an object (Ollama decodes
+    them into a map, vLLM hands them to the chat template), and refuse the whole request when
+    they cannot: a call the model got wrong, which the model is told of in the call's result,
+    would otherwise end this run and every later turn of the conversation. No arguments ("") go
+    as ``{}``, as the tool took them; any other text goes as ``{"invalid_arguments": text}``,
+    for the model to see what it wrote beside the error it was sent.
+    """
+    if not arguments:
+        return "{}"
+    try:
+        value = json.loads(arguments, parse_constant=_not_json)
+    except (ValueError, RecursionError):
+        value = None
+    if isinstance(value, dict):
+        return arguments
+    return json.dumps({"invalid_arguments": arguments}, ensure_ascii=False)
+
+
+def _not_json(constant: str) -> None:
+    # NaN and Infinity, which Python reads as numbers and JSON (and Go's decoder) does not.
+    raise ValueError(f"{constant} is not JSON")
 
 
 def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
@@ -75,6 +107,9 @@ def parse_completion(data: object, *, model: str) -> Completion:
         raise ModelBadResponse(model, "the body is not a JSON object")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        if data.get("error") is not None:  # a proxy's or gateway's failure, answered with HTTP 200
+            detail = json.dumps(data["error"], ensure_ascii=False)[:SAID_CHARS]
+            raise ModelBadResponse(model, "the server reported an error instead of an answer", detail=detail)
         raise ModelBadResponse(model, "the body has no choices")
     message = choices[0].get("message")
     if not isinstance(message, dict):

@@ -3,6 +3,7 @@ the model through the loop."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import trio
 import trio.testing
 from fake_model import Call, FakeModel, Reply
 
-from persistence.transcript import ToolCall
+from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentRun, AgentSpec, Tool
 from runtime.agent.tools import DEFAULT_TOOL_TIMEOUT_S, call_tool, schema_problem
 from runtime.models import open_model_client
@@ -224,6 +225,60 @@ async def test_bad_tool_calls_go_back_to_the_model_as_tool_errors_and_the_run_go
     assert "the runbook index is rebuilding" in results[4]
     assert result.output == "One lookup worked; the rest failed."
     assert LOOKUP_SCHEMA == fake_model.bodies[0]["tools"][0]["function"]["parameters"]
+
+
+VAULT = '{ "service" :\t"vault" }'  # a good call, spaced as a model may space it
+
+
+def object_as_a_strict_server_reads_it(text: str) -> dict[str, Any]:
+    """``text`` read as Ollama (Go's JSON decoder, into a map) and vLLM (json.loads, for the chat
+    template) read a replayed call's arguments: a JSON object, or the request is refused (400)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    value = json.loads(text, parse_constant=refuse)
+    assert isinstance(value, dict), text
+    return value
+
+
+async def test_arguments_the_model_got_wrong_go_back_to_it_as_an_object_the_server_can_read(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # The model's own arguments are sent back with its call on every later request. A server
+    # that cannot read them as an object refuses the request, and with it every later turn of
+    # the conversation: the bad call would end the run it should only have been told about.
+    fake_model.script = [
+        Reply(
+            tool_calls=[
+                Call("lookup", ""),
+                Call("lookup", '{"service": vault'),
+                Call("lookup", '["vault"]'),
+                Call("lookup", '{"service": NaN}'),
+                Call("lookup", VAULT),
+            ]
+        ),
+        Reply(text="One lookup worked."),
+        Reply(text="Still here."),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db") as store:
+            session = Session.open("s", store)
+            first = await run_turn(fake_model, AgentSpec(tools=[lookup_tool()]), question(), session=session)
+            follow_up = [*first.messages, Message(role="user", text="And now?")]
+            await run_turn(fake_model, AgentSpec(tools=[lookup_tool()]), follow_up, session=session)
+        stored = await stored_messages(tmp_path / "runtime.db", "s")
+    for body in fake_model.bodies[1:]:
+        [call_message] = [m for m in sent_messages(body) if m.get("tool_calls")]
+        sent = [call["function"]["arguments"] for call in call_message["tool_calls"]]
+        read = [object_as_a_strict_server_reads_it(arguments) for arguments in sent]
+        assert read[0] == {}  # no arguments: what the tool was run with
+        assert [json.dumps(value) for value in read[1:4]] == [
+            json.dumps({"invalid_arguments": text}) for text in ('{"service": vault', '["vault"]', '{"service": NaN}')
+        ]  # what the model wrote, for it to see beside the error it was sent
+        assert sent[4] == VAULT  # a good call's arguments go byte for byte, as ever
+    # The transcript keeps what the model wrote.
+    assert [call.arguments for call in stored[1].tool_calls] == ["", '{"service": vault', '["vault"]', '{"service": NaN}', VAULT]
 
 
 async def test_a_tool_text_that_is_not_unicode_is_stored_and_sent_with_replacement_characters(

@@ -1037,6 +1037,51 @@ async def test_a_body_held_open_after_done_does_not_hold_up_the_answer(nursery: 
     assert completion.message.text == "Standing by."
 
 
+async def test_an_answer_the_model_finished_is_kept_when_the_body_then_stays_open_without_done(nursery: trio.Nursery) -> None:
+    # A server that sends the finish and the usage but neither [DONE] nor the end of the body:
+    # the wait for what follows runs out, and the answer it had finished is kept, as when the
+    # connection breaks there, rather than failed as a model that stopped answering.
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+    url = await serve_raw(nursery, STREAM_HEAD + sse_bytes(delta(content="Standing by."), STOPPED, usage))
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0, read_timeout_s=0.3)) as client:
+            deltas, completion = await read_stream(client)
+    assert (completion.message.text, completion.finish_reason, completion.usage) == ("Standing by.", "stop", Usage(7, 3, 10))
+    assert deltas[-1] == Usage(7, 3, 10)
+
+
+async def test_an_error_a_server_answers_200_in_place_of_an_answer_is_named_and_kept_for_the_log(nursery: trio.Nursery) -> None:
+    # Some proxies and gateways answer an upstream failure with HTTP 200 and an error object, in
+    # one JSON body whether the answer was asked for streamed or not. What it says is the log's,
+    # as for an error event in the middle of a stream; the client is told only that it was one.
+    said = json.dumps({"error": {"message": f"key {LONG_KEY} is over its quota", "type": "insufficient_quota"}}).encode()
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(said)
+    urls = [await serve_then_close(nursery, head + said) for _ in range(2)]
+    raised = []
+    with trio.fail_after(DEADLINE_S):
+        for url, call in zip(urls, ("stream", "complete")):
+            async with open_model_client(ModelConfig(base_url=url, api_key=LONG_KEY, max_retries=0)) as client:
+                with pytest.raises(ModelBadResponse) as caught:
+                    await (read_stream(client) if call == "stream" else client.complete(ASK))
+            raised.append(caught.value)
+    for error in raised:
+        assert error.reason == "the server reported an error instead of an answer"
+        assert "over its quota" in error.detail and "insufficient_quota" in error.detail
+        assert LONG_KEY not in error.detail and "[api key]" in error.detail
+        assert "quota" not in str(error)
+
+
+async def test_a_stream_of_heartbeat_events_with_empty_data_times_out_as_keep_alive_comments_do(nursery: trio.Nursery) -> None:
+    # A proxy's heartbeat may be an event whose data is empty rather than a comment: it carries
+    # nothing of the answer either, and does not hold the call open past the model's timeout.
+    heartbeat = b"data:\n\ndata: \n\n"
+    url = await serve_raw(nursery, STREAM_HEAD, then=b"%x\r\n%s\r\n" % (len(heartbeat), heartbeat), every_s=0.02)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0, read_timeout_s=0.3)) as client:
+            with pytest.raises(ModelTimeout, match=r"nothing arrived within 0.3s while waiting for the answer to start"):
+                await read_stream(client)
+
+
 def test_an_event_with_empty_data_is_not_dispatched() -> None:
     assembler = StreamAssembler("m")  # a proxy's heartbeat: an event whose data is empty
     for line in ["data: ", "", "data:", "", *sse(delta(content="ok"), STOPPED, "[DONE]")]:
