@@ -103,6 +103,12 @@ class SessionStore(Protocol):
         run at a time, so that task's run has ended without taking it, and its task's record
         is where it stays. It is never applied to a later task's question."""
 
+    async def drop_steers(self, session_id: str, *, task_id: str) -> None:
+        """Forget the steers left for ``task_id`` (``add_steer``'s ``task_id``) that no run took,
+        without handing them out: that task's run has ended, its end stored, so none ever will,
+        and its task's record is where they stay. The steers left for no task or for another
+        task, and every receipt, are kept."""
+
     async def save_and_take_steers(
         self,
         session_id: str,

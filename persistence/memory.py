@@ -161,6 +161,14 @@ class MemorySessionStore(_Closable):
         await self._enter()
         return _for(self.data.steers.pop(session_id, []), for_task)
 
+    async def drop_steers(self, session_id: str, *, task_id: str) -> None:
+        await self._enter()
+        kept = [(text, left_for) for text, left_for in self.data.steers.get(session_id, []) if left_for != task_id]
+        if kept:
+            self.data.steers[session_id] = kept
+        else:
+            self.data.steers.pop(session_id, None)
+
     async def save_and_take_steers(
         self,
         session_id: str,

@@ -287,6 +287,11 @@ def _take_steers_txn(
     return [text for _, text, task_id in rows if for_task is None or task_id is None or task_id == for_task]
 
 
+def _drop_steers_txn(conn: sqlite3.Connection, session_id: str, task_id: str) -> None:
+    if not (lone_surrogate(session_id) or lone_surrogate(task_id)):  # never stored
+        conn.execute("DELETE FROM steers WHERE session_id = ? AND task_id = ?", (session_id, task_id))
+
+
 def _add_steer_txn(
     conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str, message_id: str | None, receipt: SteerReceipt
 ) -> bool:
@@ -420,6 +425,9 @@ class SqliteSessionStore(WriterBacked):
 
     async def take_steers(self, session_id: str, *, for_task: str | None = None) -> list[str]:
         return await self._writer.submit(_take_steers_txn, self._lengths, session_id, for_task)
+
+    async def drop_steers(self, session_id: str, *, task_id: str) -> None:
+        await self._writer.submit(_drop_steers_txn, session_id, task_id)
 
     def turn_lock(self, session_id: str) -> AbstractAsyncContextManager[None]:
         return self._locks.hold(session_id)

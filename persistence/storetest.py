@@ -277,6 +277,23 @@ async def a_task_run_takes_the_steers_left_for_it_or_for_none_and_drops_another_
 
 
 @session_check
+async def dropping_a_tasks_steers_forgets_those_alone_and_keeps_their_receipts(backend: Backend) -> None:
+    async with backend.sessions() as one, backend.sessions() as two:
+        await one.add_steer("s", "for the run that ended", message_id="m-1", task_id="task-1")
+        await one.add_steer("s", "for whichever run", message_id="m-2")
+        await one.add_steer("s", "for the next run", message_id="m-3", task_id="task-2")
+        await one.add_steer("t", "another session's", message_id="m-4", task_id="task-1")
+        await two.drop_steers("s", task_id="task-1")
+        await two.drop_steers("s", task_id="task-9")  # none left for it: nothing to forget
+        assert await one.take_steers("s") == ["for whichever run", "for the next run"]
+        assert await one.take_steers("t") == ["another session's"]
+        receipt = await one.steer_receipt("s", "m-1")
+        assert receipt is not None and receipt.task_id == "task-1", "a dropped steer is still one sent before"
+        assert not await one.add_steer("s", "for the run that ended", message_id="m-1", task_id="task-1")
+        assert await one.take_steers("s") == []
+
+
+@session_check
 async def two_sessions_do_not_see_each_other(backend: Backend) -> None:
     async with backend.sessions() as store:
         await store.save("a", [user("for a")])

@@ -426,6 +426,8 @@ class Runner:
         # so that sent again after its record in the task failed (or its process died between
         # the two writes, or while the first send was still writing), it is recorded without
         # steering the run a second time.
+        if live is not None:
+            live.steered = True  # from before the write: a run cancelled during it still forgets the steer
         left = await self.sessions.add_steer(
             task.context_id, text, message_id=message.message_id, task_id=task_id, sent_as=_as_sent(message)
         )
@@ -614,6 +616,8 @@ class Runner:
                     final = SHUT_DOWN if self._stopping.is_set() else CANCELED
                 if await self._store_end(live, _keeping_answer(live, final)):
                     live.close()
+                    if live.steered:
+                        await self._drop_untaken_steers(live)
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]
             del self._live[live.task.id]
@@ -652,6 +656,17 @@ class Runner:
             delay = min(max(2 * delay, END_RETRY_FIRST_S), END_RETRY_MAX_S)
             with trio.move_on_after(delay):
                 await self._stopping.wait()
+
+    async def _drop_untaken_steers(self, live: LiveTask) -> None:
+        """Forget the steers stored for a run whose end is stored, if it never took them (it was
+        canceled or failed first): no run ever will, and the task's history keeps them. Bounded
+        and shielded, like the end's write; one that fails leaves them to the conversation's next
+        turn, which drops them too."""
+        with trio.move_on_after(self.config.cleanup_timeout_s, shield=True):
+            try:
+                await self.sessions.drop_steers(live.task.context_id, task_id=live.task.id)
+            except (store_errors.StoreError, TimeoutError) as exc:
+                logger.warning("task %s: the steers its run never took could not be dropped: %s", live.task.id, exc)
 
     async def _turn(self, live: LiveTask) -> Outcome:
         """One turn on the task's session: the agent loop, WORKING durable before the model is
@@ -752,6 +767,7 @@ class Runner:
             live = self._live_task(record.owner, task, record.version)
             if self.config.orphans == "resume":
                 logger.info("resuming task %s left %s by a process that stopped", task.id, task.status.state.value)
+                live.steered = True  # the process that stopped may have stored steers for it
                 queued = trio.Event()
                 self._in_line[task.id] = (last_in_line.get(task.context_id), queued)
                 last_in_line[task.context_id] = queued

@@ -220,6 +220,7 @@ class LiveTask:
     in_turn: bool = False  # its run holds its conversation's turn (other tasks of it wait)
     turn_over: bool = False  # its run has let the turn go: it is ending (its end being written)
     steers: SteerGate = attrs.field(factory=SteerGate)  # where its run and the steers sent to it meet
+    steered: bool = False  # steers may be stored for its run, which may end without taking them
     # Each subscriber's receive side -> its send side, so that leaving drops both at once.
     _subscribers: dict[trio.MemoryReceiveChannel[StreamItem], trio.MemorySendChannel[StreamItem]] = attrs.field(
         init=False, factory=dict

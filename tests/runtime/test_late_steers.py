@@ -202,3 +202,24 @@ async def test_a_steer_whose_task_ended_while_it_was_read_is_refused_not_recorde
     stored = decode(await tasks.get(ANONYMOUS, task.id))
     assert [m.role for m in stored.history] == [Role.USER, Role.AGENT]  # no steer recorded after the answer
     assert await sessions.take_steers(task.context_id) == []
+
+
+async def test_a_steer_its_task_never_took_is_not_kept_once_the_task_is_canceled(tmp_path: Path) -> None:
+    model = ScriptedModel([Answer("The lease expired.", hold=trio.Event())])  # an answer that never ends
+    with trio.fail_after(DEADLINE_S):
+        async with runner_over(tmp_path, model, AgentSpec()) as runner:
+            task = await runner.send(ANONYMOUS, ask("Which leases expired?"))
+            await asked(model, 1)
+            steer = ask("also check staging", task=task)
+            assert (await runner.send(ANONYMOUS, steer)).status.state is TaskState.WORKING
+            await runner.cancel(ANONYMOUS, task.id)
+            while runner.statistics().running:  # until the run has ended, and settled what it leaves
+                await trio.sleep(0.005)
+            canceled = await runner.get(ANONYMOUS, task.id)
+            again = await runner.send(ANONYMOUS, steer)  # sent again: the task it went to, and nothing new
+    assert steers_left(tmp_path) == 0, "a steer no run will ever take is kept in runtime.db for good"
+    assert canceled.status.state is TaskState.CANCELED
+    assert [part.text for m in canceled.history for part in m.parts if isinstance(part, TextPart)] == [
+        "Which leases expired?", "also check staging"
+    ]  # fmt: skip
+    assert again.id == task.id and again.status.state is TaskState.CANCELED and len(again.history) == len(canceled.history)
