@@ -57,7 +57,27 @@ def _v2(conn: sqlite3.Connection) -> None:
     )
 
 
-TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2), tables=("tasks",))
+def _v3(conn: sqlite3.Connection) -> None:
+    # A listing by context or by state reads that page's rows, and counts them, in an index of
+    # its own, however many other tasks there are: on the owner's index alone it walked every
+    # task of the owner, holding up every task write behind it in the database's one thread.
+    # Tasks left unfinished, which a start looks for, are an index of their own, as small as
+    # they are few. (The literals are UNFINISHED_STATES: a partial index is used only by a query
+    # that repeats them.)
+    execute_ddl(
+        conn,
+        """
+        DROP INDEX tasks_context;
+        DROP INDEX tasks_state;
+        CREATE INDEX tasks_context_recent ON tasks (owner, context_id, updated_at_ms DESC, id DESC);
+        CREATE INDEX tasks_state_recent ON tasks (owner, state, updated_at_ms DESC, id DESC);
+        CREATE INDEX tasks_unfinished ON tasks (created_at_ms, id)
+            WHERE state IN ('TASK_STATE_SUBMITTED', 'TASK_STATE_WORKING');
+        """,
+    )
+
+
+TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2, _v3), tables=("tasks",))
 
 _COLUMNS = "id, context_id, owner, state, version, created_at_ms, updated_at_ms, task"
 
@@ -149,7 +169,10 @@ def _list_txn(
     params: dict[str, Any] = {"owner": owner, "limit": page_size + 1}
     for column, op in (("context_id", "="), ("state", "="), ("updated_at_ms", ">")):
         if filters.get(column) is not None:
-            where.append(f"{column} {op} :{column}")
+            # Given a context, its index is the one to read (a context's tasks are few, a
+            # state's may be most): the unary + keeps the planner off the state's.
+            term = "+state" if column == "state" and filters.get("context_id") is not None else column
+            where.append(f"{term} {op} :{column}")
             params[column] = filters[column]
     (total,) = conn.execute(f"SELECT count(*) FROM tasks WHERE {' AND '.join(where)}", params).fetchone()
     if after is not None:
@@ -254,14 +277,16 @@ class SqliteTaskStore(WriterBacked):
 
     async def unfinished(self) -> Sequence[TaskRecord]:
         """Every owner's SUBMITTED or WORKING tasks, oldest first: what a dead process left running."""
-        marks = ", ".join("?" for _ in UNFINISHED_STATES)
-        rows = await self.pool.run(
-            lambda conn: conn.execute(
-                f"SELECT {_COLUMNS} FROM tasks WHERE state IN ({marks}) ORDER BY created_at_ms, id", UNFINISHED_STATES
-            ).fetchall()
-        )
+        rows = await self.pool.run(lambda conn: conn.execute(_UNFINISHED).fetchall())
         return [record_from_row(row) for row in rows]
 
+
+
+# Written out, not bound: the index of unfinished tasks serves only a query whose WHERE is its own.
+_UNFINISHED = (
+    f"SELECT {_COLUMNS} FROM tasks WHERE state IN ({', '.join(repr(state) for state in UNFINISHED_STATES)})"
+    " ORDER BY created_at_ms, id"
+)
 
 
 def _read_txn(conn: sqlite3.Connection, fn: Any, *args: Any) -> Any:

@@ -608,6 +608,8 @@ async def test_a_tasks_database_of_the_first_schema_is_brought_to_the_current_on
     with closing(sqlite3.connect(path)) as conn:
         assert read_identity(conn) == SchemaIdentity("keel.tasks", TASKS_SCHEMA.version)
         assert conn.execute("SELECT id, message_id FROM tasks ORDER BY id").fetchall() == [("new", "m1"), ("old", None)]
+        indexes = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
+    assert indexes == {"tasks_owner_recent", "tasks_by_message", "tasks_context_recent", "tasks_state_recent", "tasks_unfinished"}
 
 
 async def test_steers_pending_in_a_second_schema_database_keep_the_task_they_were_sent_to(tmp_path: Path) -> None:
@@ -803,3 +805,59 @@ conn.execute("BEGIN EXCLUSIVE")
 print("locked", flush=True)
 sys.stdin.read()
 """
+
+
+LISTINGS: list[dict[str, Any]] = [
+    {"context_id": "mine"},
+    {"state": "TASK_STATE_WORKING"},
+    {"context_id": "mine", "state": "TASK_STATE_WORKING"},
+    {"context_id": "mine", "page_size": 2},  # and the second page, by its token
+]
+
+
+async def test_listing_by_context_or_state_and_finding_unfinished_tasks_read_no_more_among_thousands_of_other_tasks(
+    tmp_path: Path,
+) -> None:
+    # The task store's one thread runs its reads between its writes: a listing that walked
+    # every task of the owner held up every task write behind it, longer as the file grew.
+    # What SQLite does for each is counted in its own steps (a progress handler), not timed.
+    path = tmp_path / "tasks.db"
+    async with open_task_store(path) as store:
+        for n in range(3):
+            await store.create("alice", task_id=f"mine-{n}", context_id="mine", state="TASK_STATE_WORKING", task_json="{}")
+
+        async def steps(call: Any) -> int:
+            counted = [0]
+
+            def count() -> int:
+                counted[0] += 1
+                return 0  # go on
+
+            await store.pool.run(lambda conn: conn.set_progress_handler(count, 10))
+            try:
+                await call()
+            finally:
+                await store.pool.run(lambda conn: conn.set_progress_handler(None, 10))
+            return counted[0]
+
+        async def listings() -> list[int]:
+            counts = []
+            for filters in LISTINGS:
+                first = await store.list("alice", **filters)
+                assert [r.id for r in first.records][:2] == ["mine-2", "mine-1"], filters
+                counts.append(await steps(lambda filters=filters: store.list("alice", **filters)))
+                if first.next_page_token:
+                    token = first.next_page_token
+                    counts.append(await steps(lambda filters=filters: store.list("alice", **filters, page_token=token)))
+            counts.append(await steps(store.unfinished))
+            return counts
+
+        alone = await listings()
+        with closing(sqlite3.connect(path)) as other, other:  # another writer's finished tasks, written at once
+            other.executemany(
+                "INSERT INTO tasks (id, context_id, owner, state, version, created_at_ms, updated_at_ms, task)"
+                " VALUES (?, ?, 'alice', 'TASK_STATE_COMPLETED', 1, ?, ?, '{}')",
+                ((f"other-{n}", f"ctx-{n % 500}", n, n) for n in range(5000)),
+            )
+        among_others = await listings()
+    assert all(after <= 2 * before + 5 for before, after in zip(alone, among_others, strict=True)), (alone, among_others)
