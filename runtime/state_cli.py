@@ -1,7 +1,9 @@
 """``python -m runtime state snapshot|restore|recover|reset``: the state directory's operator commands.
 
 This is the edge: it reads ``AGENT_STATE_DIR`` and ``AGENT_BACKUP_ROOT`` and passes plain paths
-down to persistence. Every failure prints ``error: <message>`` on stderr and exits 1.
+down to persistence. Every failure prints ``error: <message>`` on stderr and exits 1. An unknown
+``AGENT_*`` variable is refused before anything is done, as ``serve`` refuses it: a mistyped
+``AGENT_STATE_DIR`` would otherwise have the command act on ``.state`` in the current directory.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
 from persistence.statedir import StateError, UnusableStateDir, is_db_name, try_state_dir
 from runtime.agents import app_version
-from runtime.config import BACKUP_ROOT_ENV, default_backup_root, os_error_text
+from runtime.config import BACKUP_ROOT_ENV, ConfigError, default_backup_root, os_error_text, unknown_settings
 
 DEFAULT_STATE_DIR = ".state"
 DEFAULT_KEEP = 7
@@ -40,7 +42,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_state_dir(snapshot)
     snapshot.add_argument(
         "--backup-root",
-        type=Path,
         help="where snapshots go (default: $AGENT_BACKUP_ROOT, else a sibling of the state directory "
         "named <state-dir>-backups, e.g. .state-backups; it must not be inside the state directory)",
     )
@@ -70,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def _add_state_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--state-dir", type=Path, help=f"the state directory (default: $AGENT_STATE_DIR, else {DEFAULT_STATE_DIR})"
+        "--state-dir", help=f"the state directory (default: $AGENT_STATE_DIR, else {DEFAULT_STATE_DIR})"
     )
 
 
@@ -97,20 +98,29 @@ def _env_path(name: str) -> Path | None:
     return Path(value)
 
 
+def _flag_path(text: str | None, flag: str) -> Path | None:
+    """A directory given on the command line; "" is refused, as an empty variable is, rather
+    than read as the current directory."""
+    if text is None:
+        return None
+    if not text:
+        raise _UsageError(f"{flag} must not be empty; leave it out to use its default")
+    return Path(text)
+
+
 def _state_dir(args: argparse.Namespace) -> Path:
-    given: Path | None = args.state_dir
-    return given or _env_path("AGENT_STATE_DIR") or Path(DEFAULT_STATE_DIR)
+    return _flag_path(args.state_dir, "--state-dir") or _env_path("AGENT_STATE_DIR") or Path(DEFAULT_STATE_DIR)
 
 
 def _backup_root(args: argparse.Namespace, state_dir: Path) -> Path:
-    given: Path | None = args.backup_root
-    if given or (given := _env_path(BACKUP_ROOT_ENV)):
-        return given
-    return default_backup_root(state_dir)
+    return _flag_path(args.backup_root, "--backup-root") or _env_path(BACKUP_ROOT_ENV) or default_backup_root(state_dir)
 
 
 def _guarded(command: Command) -> Command:
     def run(args: argparse.Namespace) -> int:
+        if unknown := unknown_settings(os.environ):
+            print(f"error: {ConfigError(unknown)}", file=sys.stderr)
+            return 1
         try:
             return command(args)
         except (StateError, _UsageError) as exc:

@@ -84,6 +84,40 @@ def test_state_commands_read_the_state_dir_and_backup_root_from_the_environment(
     assert "AGENT_STATE_DIR must not be empty; unset the variable to use its default" in empty.stderr
 
 
+def test_a_state_command_refuses_a_mistyped_agent_variable_before_it_touches_the_default_state_dir(
+    tmp_path: Path,
+) -> None:
+    state = live_state(tmp_path)
+    meant = tmp_path / "elsewhere"
+    before = contents(state)
+
+    for command in (["reset"], ["snapshot"], ["recover"], ["restore", str(tmp_path / "any")]):
+        result = keel(tmp_path, "state", *command, AGENT_STATE_DIRR=str(meant))
+
+        assert result.returncode == 1, command
+        assert result.stderr.strip() == (
+            "error: the configuration has problems:\n"
+            "  - AGENT_STATE_DIRR is not a setting Keel knows; did you mean AGENT_STATE_DIR?"
+        ), command
+        assert result.stdout == ""
+    assert contents(state) == before  # the .state it would have taken instead is as it was
+    assert not (tmp_path / ".state-backups").exists()
+
+
+@pytest.mark.parametrize("flag", ["--state-dir", "--backup-root"])
+def test_a_state_command_refuses_an_empty_directory_flag_as_it_refuses_an_empty_variable(tmp_path: Path, flag: str) -> None:
+    state = live_state(tmp_path)
+    before = contents(tmp_path)
+    # "" must not mean "here": the state directory itself for a reset, beside it for snapshots.
+    cwd, command = (tmp_path, ["snapshot", flag, ""]) if flag == "--backup-root" else (state, ["reset", flag, ""])
+
+    result = keel(cwd, "state", *command)
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: {flag} must not be empty; leave it out to use its default"
+    assert contents(tmp_path) == before
+
+
 def test_state_commands_refuse_a_planted_incomplete_journal_until_it_is_removed(tmp_path: Path) -> None:
     state = live_state(tmp_path)
     journal = state / ".restore-journal.json"
