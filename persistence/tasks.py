@@ -281,7 +281,6 @@ class SqliteTaskStore(WriterBacked):
         return [record_from_row(row) for row in rows]
 
 
-
 # Written out, not bound: the index of unfinished tasks serves only a query whose WHERE is its own.
 _UNFINISHED = (
     f"SELECT {_COLUMNS} FROM tasks WHERE state IN ({', '.join(repr(state) for state in UNFINISHED_STATES)})"
