@@ -175,7 +175,7 @@ class StreamAssembler:
         if not isinstance(call, dict):
             raise ModelBadResponse(self.model, "a tool call fragment is not a JSON object")
         call_id = optional_str(call.get("id"), model=self.model, what="the id of a tool call")
-        index = call["index"] if "index" in call else self._unindexed(call_id, position)
+        index = call["index"] if call.get("index") is not None else self._unindexed(call_id, position)
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ModelBadResponse(self.model, "a tool call fragment has an index that is not a count")
         function = call.get("function") or {}

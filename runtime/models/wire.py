@@ -183,11 +183,27 @@ def parse_usage(usage: object, *, model: str) -> Usage | None:
         return None
     if not isinstance(usage, dict):
         raise ModelBadResponse(model, "the usage is not a JSON object")
-    counts = [usage.get(key, 0) for key in ("prompt_tokens", "completion_tokens")]
-    if not all(isinstance(count, int) and not isinstance(count, bool) for count in counts):
-        raise ModelBadResponse(model, "the token counts in the usage are not integers")
-    total = usage.get("total_tokens")
-    return Usage(counts[0], counts[1], total if isinstance(total, int) else counts[0] + counts[1])
+    # The usage is an account of the answer, not part of it: counts given as null are not
+    # given, whole numbers written as floats (2.0) are whole numbers, and a usage whose counts
+    # cannot be read is left out rather than fail an answer the model finished.
+    prompt, completion = (_count(usage.get(key)) for key in ("prompt_tokens", "completion_tokens"))
+    if prompt is None or completion is None:
+        return None
+    total = _count(usage.get("total_tokens")) or prompt + completion  # not given (or 0): their sum
+    return Usage(prompt, completion, total)
+
+
+def _count(value: object) -> int | None:
+    """A token count as a server wrote it: an integer (absent or null: 0), or None if unreadable."""
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return None
 
 
 def optional_str(value: object, *, model: str, what: str) -> str:

@@ -1115,3 +1115,35 @@ async def test_a_web_page_in_place_of_an_answer_is_named_as_such(nursery: trio.N
                 await read_stream(client)
     assert raised.value.reason == "the server answered with a web page (text/html), not an event stream or JSON"
     assert "upstream says no" in raised.value.detail and "upstream" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("usage", "counted"),
+    [
+        ({"prompt_tokens": 10, "completion_tokens": None, "total_tokens": None}, Usage(10, 0, 10)),
+        ({"prompt_tokens": 10.0, "completion_tokens": 3.0}, Usage(10, 3, 13)),
+        ({"prompt_tokens": 10, "completion_tokens": 2.5}, None),
+        ({"prompt_tokens": "10", "completion_tokens": 3}, None),
+        ({"prompt_tokens": -1, "completion_tokens": 3}, None),
+    ],
+    ids=["null", "whole-floats", "a-fraction", "text", "negative"],
+)
+def test_a_usage_whose_counts_are_odd_is_read_as_far_as_it_can_be_and_never_fails_the_answer(
+    usage: dict[str, Any], counted: Usage | None
+) -> None:
+    # The usage accounts for an answer; it is not part of it. An answer the model finished is
+    # kept whatever a server wrote there.
+    assembler = StreamAssembler("m")
+    for line in sse(delta(content="Done."), {**STOPPED, "usage": usage}, "[DONE]"):
+        assembler.feed_line(line)
+    completion = assembler.completion()
+    assert (completion.message.text, completion.usage) == ("Done.", counted)
+
+
+def test_a_tool_call_fragment_whose_index_is_null_is_placed_as_one_that_gives_none() -> None:
+    call = {"index": None, "id": "call_1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}
+    assembler = StreamAssembler("m")
+    for line in sse(delta(tool_calls=[call]), {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}, "[DONE]"):
+        assembler.feed_line(line)
+    [made] = assembler.completion().message.tool_calls
+    assert (made.id, made.name, made.arguments) == ("call_1", "clock", "{}")
