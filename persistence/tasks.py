@@ -63,7 +63,9 @@ def _v3(conn: sqlite3.Connection) -> None:
     # task of the owner, holding up every task write behind it in the database's one thread.
     # Tasks left unfinished, which a start looks for, are an index of their own, as small as
     # they are few. (The literals are UNFINISHED_STATES: a partial index is used only by a query
-    # that repeats them.)
+    # that repeats them.) How many tasks each owner has in each state is kept as they are
+    # written, by triggers in the same transaction: a listing's total with no filter but the
+    # state is read, not counted.
     execute_ddl(
         conn,
         """
@@ -73,11 +75,30 @@ def _v3(conn: sqlite3.Connection) -> None:
         CREATE INDEX tasks_state_recent ON tasks (owner, state, updated_at_ms DESC, id DESC);
         CREATE INDEX tasks_unfinished ON tasks (created_at_ms, id)
             WHERE state IN ('TASK_STATE_SUBMITTED', 'TASK_STATE_WORKING');
+        CREATE TABLE task_counts (
+            owner TEXT NOT NULL,
+            state TEXT NOT NULL,
+            tasks INTEGER NOT NULL,
+            PRIMARY KEY (owner, state)
+        ) WITHOUT ROWID;
+        INSERT INTO task_counts (owner, state, tasks) SELECT owner, state, count(*) FROM tasks GROUP BY owner, state;
+        CREATE TRIGGER task_counted AFTER INSERT ON tasks BEGIN
+            INSERT INTO task_counts (owner, state, tasks) VALUES (new.owner, new.state, 1)
+                ON CONFLICT (owner, state) DO UPDATE SET tasks = tasks + 1;
+        END;
+        CREATE TRIGGER task_counted_again AFTER UPDATE OF state ON tasks WHEN old.state IS NOT new.state BEGIN
+            UPDATE task_counts SET tasks = tasks - 1 WHERE owner = old.owner AND state = old.state;
+            INSERT INTO task_counts (owner, state, tasks) VALUES (new.owner, new.state, 1)
+                ON CONFLICT (owner, state) DO UPDATE SET tasks = tasks + 1;
+        END;
+        CREATE TRIGGER task_uncounted AFTER DELETE ON tasks BEGIN
+            UPDATE task_counts SET tasks = tasks - 1 WHERE owner = old.owner AND state = old.state;
+        END;
         """,
     )
 
 
-TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2, _v3), tables=("tasks",))
+TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2, _v3), tables=("tasks", "task_counts"), since={"task_counts": 3})
 
 _COLUMNS = "id, context_id, owner, state, version, created_at_ms, updated_at_ms, task"
 
@@ -174,7 +195,11 @@ def _list_txn(
             term = "+state" if column == "state" and filters.get("context_id") is not None else column
             where.append(f"{term} {op} :{column}")
             params[column] = filters[column]
-    (total,) = conn.execute(f"SELECT count(*) FROM tasks WHERE {' AND '.join(where)}", params).fetchone()
+    if filters.get("context_id") is None and filters.get("updated_at_ms") is None:  # kept, not counted
+        by_state = " AND state = :state" if filters.get("state") is not None else ""
+        (total,) = conn.execute(f"SELECT coalesce(sum(tasks), 0) FROM task_counts WHERE owner = :owner{by_state}", params).fetchone()
+    else:  # a context's tasks, or those after a time: counted in the index that finds them
+        (total,) = conn.execute(f"SELECT count(*) FROM tasks WHERE {' AND '.join(where)}", params).fetchone()
     if after is not None:
         # Keyset pagination: rows strictly after the last one of the previous page.
         where.append("(updated_at_ms < :after_ms OR (updated_at_ms = :after_ms AND id < :after_id))")

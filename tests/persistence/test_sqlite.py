@@ -605,6 +605,9 @@ async def test_a_tasks_database_of_the_first_schema_is_brought_to_the_current_on
     async with open_task_store(path) as store:
         assert (await store.get("alice", "old")).version == 3
         await store.create("alice", task_id="new", context_id="c", state="TASK_STATE_SUBMITTED", task_json="{}", message_id="m1")
+        # The tasks from before are counted among the new ones, as listings total them.
+        totals = [(await store.list("alice", state=state)).total_size for state in (None, "TASK_STATE_COMPLETED", "TASK_STATE_SUBMITTED")]
+        assert totals == [2, 1, 1]
     with closing(sqlite3.connect(path)) as conn:
         assert read_identity(conn) == SchemaIdentity("keel.tasks", TASKS_SCHEMA.version)
         assert conn.execute("SELECT id, message_id FROM tasks ORDER BY id").fetchall() == [("new", "m1"), ("old", None)]
@@ -812,10 +815,11 @@ LISTINGS: list[dict[str, Any]] = [
     {"state": "TASK_STATE_WORKING"},
     {"context_id": "mine", "state": "TASK_STATE_WORKING"},
     {"context_id": "mine", "page_size": 2},  # and the second page, by its token
+    {"page_size": 2},  # every task of the owner: the newest, and how many there are
 ]
 
 
-async def test_listing_by_context_or_state_and_finding_unfinished_tasks_read_no_more_among_thousands_of_other_tasks(
+async def test_listings_and_finding_unfinished_tasks_read_no_more_among_thousands_of_other_tasks(
     tmp_path: Path,
 ) -> None:
     # The task store's one thread runs its reads between its writes: a listing that walked
@@ -860,4 +864,9 @@ async def test_listing_by_context_or_state_and_finding_unfinished_tasks_read_no_
                 ((f"other-{n}", f"ctx-{n % 500}", n, n) for n in range(5000)),
             )
         among_others = await listings()
+        totals = [(await store.list("alice", **filters)).total_size for filters in LISTINGS]
+        completed = await store.list("alice", state="TASK_STATE_COMPLETED", page_size=1)
+        with_completed = await steps(lambda: store.list("alice", state="TASK_STATE_COMPLETED", page_size=1))
     assert all(after <= 2 * before + 5 for before, after in zip(alone, among_others, strict=True)), (alone, among_others)
+    assert totals == [3, 3, 3, 3, 5003]
+    assert completed.total_size == 5000 and with_completed <= 2 * alone[0] + 5, with_completed
