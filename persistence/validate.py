@@ -25,6 +25,12 @@ _STRICT = json.JSONDecoder(parse_constant=_reject_constant)
 _scan_once = json.scanner.make_scanner(_STRICT)  # type: ignore[arg-type]
 
 
+def strict_json(text: str) -> object:
+    """``text`` as one strict JSON value (no NaN or Infinity); ValueError if it is not one
+    (RecursionError if it is nested deeper than Python reads)."""
+    return _STRICT.decode(text)
+
+
 def is_json(text: str) -> bool:
     """Whether text is one strict JSON value (no NaN or Infinity), whitespace allowed around it."""
     try:

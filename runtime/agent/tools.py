@@ -16,6 +16,7 @@ import attrs
 import trio
 
 from persistence.transcript import ToolCall
+from persistence.validate import strict_json
 from runtime.models import ToolSpec, unicode_text
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,9 @@ async def _call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
         known = ", ".join(sorted(tools)) or "none"
         return Outcome(f"error: there is no tool named {call.name!r}; the tools are: {known}", True)
     try:
-        arguments = json.loads(call.arguments or "{}")  # some models send "" for a call without arguments
+        # Strict, as the call is sent back to the model (NaN is not JSON); some models send ""
+        # for a call without arguments.
+        arguments = strict_json(call.arguments or "{}")
     except (ValueError, RecursionError) as exc:  # RecursionError: nested past what Python reads
         return Outcome(f"error: the arguments of {call.name} are not JSON ({exc}); send a JSON object", True)
     if not isinstance(arguments, dict):

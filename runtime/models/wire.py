@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from persistence.transcript import Message, ToolCall
-from persistence.validate import lone_surrogate
+from persistence.validate import lone_surrogate, strict_json
 from runtime.models.errors import ModelBadResponse
 from runtime.models.values import ChatRequest, Completion, ToolSpec, Usage
 
@@ -81,17 +81,12 @@ def wire_arguments(arguments: str) -> str:
     if not arguments:
         return "{}"
     try:
-        value = json.loads(arguments, parse_constant=_not_json)
+        value = strict_json(arguments)
     except (ValueError, RecursionError):
         value = None
     if isinstance(value, dict):
         return arguments
     return json.dumps({"invalid_arguments": arguments}, ensure_ascii=False)
-
-
-def _not_json(constant: str) -> None:
-    # NaN and Infinity, which Python reads as numbers and JSON (and Go's decoder) does not.
-    raise ValueError(f"{constant} is not JSON")
 
 
 def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
