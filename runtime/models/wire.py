@@ -30,7 +30,7 @@ def request_body(request: ChatRequest, *, model: str, stream: bool) -> dict[str,
     """
     body: dict[str, Any] = {
         "model": model,
-        "messages": [message_to_wire(index, message) for index, message in enumerate(request.messages)],
+        "messages": joined_user_messages([message_to_wire(index, message) for index, message in enumerate(request.messages)]),
         "stream": stream,
     }
     if stream:
@@ -61,6 +61,25 @@ def message_to_wire(index: int, message: Message) -> dict[str, Any]:
         wire["content"] = message.text or None
         wire["tool_calls"] = [tool_call_to_wire(call) for call in message.tool_calls]
     return wire
+
+
+def joined_user_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each run of user messages next to each other (of one ``name``) sent as
+    one, their texts a blank line apart.
+
+    A transcript has such runs where a turn ended with no answer (it was cancelled, or failed)
+    and the next one began, or where a steer came before the model's first answer. Many chat
+    templates (Mistral's, Gemma's and others, as vLLM and llama.cpp's server apply them) refuse
+    a conversation whose roles do not alternate, and with it every later turn of it; the model
+    reads the joined message as it would have read the two."""
+    joined: list[dict[str, Any]] = []
+    for message in messages:
+        last = joined[-1] if joined else None
+        if last is not None and last["role"] == message["role"] == "user" and last.get("name") == message.get("name"):
+            joined[-1] = {**last, "content": "\n\n".join(filter(None, (last["content"], message["content"])))}
+        else:
+            joined.append(message)
+    return joined
 
 
 def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:

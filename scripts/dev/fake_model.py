@@ -122,6 +122,8 @@ class FakeModel:
     default: ScriptItem | None = None
     models: tuple[str, ...] = attrs.field(default=(DEFAULT_MODEL,), converter=_names)
     api_key: str | None = None
+    # Refuse, as many chat templates do, a conversation with two user messages in a row.
+    alternate_roles: bool = False
     received: list[Received] = attrs.field(init=False, factory=list)
     disconnects: int = attrs.field(init=False, default=0)
     answering: int = attrs.field(init=False, default=0)  # chat requests being answered now
@@ -186,6 +188,10 @@ class FakeModel:
             message = f"model {json.dumps(request.get('model'))} not found, try pulling it first"
             await _send_json(send, 404, _error(message, "not_found_error"))
             return
+        if self.alternate_roles and _two_users_in_a_row(request["messages"]):
+            message = "Conversation roles must alternate user/assistant/user/assistant/..."
+            await _send_json(send, 400, _error(message, "BadRequestError"))
+            return
         item = self.script.pop(0) if self.script else self.default
         exchange = _Exchange()
         self.answering += 1
@@ -227,6 +233,11 @@ class FakeModel:
             await _send_stream(send, item, _chunks(item, request, number, usage=usage), exchange)
         else:
             await _send_whole(send, item, _completion(item, request, number), exchange)
+
+
+def _two_users_in_a_row(messages: list[Any]) -> bool:
+    roles = [message.get("role") if isinstance(message, dict) else None for message in messages]
+    return any(first == second == "user" for first, second in zip(roles, roles[1:]))
 
 
 def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) -> Iterator[str]:

@@ -74,6 +74,12 @@ def steered(text: str) -> dict[str, str]:
     return {"role": "user", "content": STEER_LABEL + text}
 
 
+def asked_with_steer(text: str) -> dict[str, str]:
+    """The question and a steer placed right after it, as the model receives them: one user
+    message, so that the roles it reads alternate."""
+    return {"role": "user", "content": f"{QUESTION}\n\n{STEER_LABEL}{text}"}
+
+
 async def leave_steer(path: Path, text: str) -> None:
     """Leave a steer the way another process does: through a store object of its own, no run needed."""
     async with open_session_store(path) as other:
@@ -157,7 +163,7 @@ async def test_a_steer_waiting_before_the_run_starts_rides_its_first_request(fak
         await leave_steer(path, "it is the staging vault")  # no run exists yet
         async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
             await AgentRun(client, AgentSpec(), question(), session=Session.open(SESSION, store)).run()
-    assert sent_messages(fake_model.bodies[0]) == [{"role": "user", "content": QUESTION}, steered("it is the staging vault")]
+    assert sent_messages(fake_model.bodies[0]) == [asked_with_steer("it is the staging vault")]
 
 
 async def test_a_steer_is_never_delivered_twice(fake_model: FakeModel, tmp_path: Path) -> None:
@@ -183,11 +189,12 @@ async def test_a_steer_is_never_delivered_twice(fake_model: FakeModel, tmp_path:
             assert await store.take_steers(SESSION) == []  # nothing left to hand out again
         stored = await stored_messages(path, SESSION)
     assert len(log.of(SteerApplied)) == 2
+    # Both steers were placed after the first tool result, so they reach the model as one message.
+    for body in fake_model.bodies[1:]:
+        assert sent_messages(body)[3] == {"role": "user", "content": f"{STEER_LABEL}held by the run\n\n{STEER_LABEL}left in the store"}
     for text in ("held by the run", "left in the store"):
-        positions = [sent_messages(body).index(steered(text)) for body in fake_model.bodies[1:]]
-        assert len(set(positions)) == 1  # every later request carries it once, at one place
-        for body in fake_model.bodies[1:]:
-            assert sent_messages(body).count(steered(text)) == 1
+        for body in fake_model.bodies[1:]:  # every later request carries it once, at one place
+            assert sum(message["content"].count(STEER_LABEL + text) for message in sent_messages(body) if message["content"]) == 1
         assert [message.text for message in stored].count(STEER_LABEL + text) == 1
         assert [message.text for message in result.messages].count(STEER_LABEL + text) == 1
 
@@ -315,7 +322,7 @@ async def test_a_cancelled_run_still_stores_the_steers_it_took(fake_model: FakeM
         # The run resumed from the session sends it.
         async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
             await AgentRun(client, AgentSpec(), stored, session=Session.open(SESSION, store)).run()
-    assert sent_messages(fake_model.bodies[0])[-1] == steered("it is the staging vault")
+    assert sent_messages(fake_model.bodies[0]) == [asked_with_steer("it is the staging vault")]
 
 
 async def test_a_steer_whose_save_fails_is_left_for_the_run_that_resumes(fake_model: FakeModel, tmp_path: Path) -> None:
@@ -340,10 +347,7 @@ async def test_a_steer_whose_save_fails_is_left_for_the_run_that_resumes(fake_mo
         assert await stored_messages(path, SESSION) == []  # the question's save failed with it
         async with open_session_store(path) as store, open_model_client(config_for(fake_model)) as client:
             await AgentRun(client, AgentSpec(), question(), session=Session.open(SESSION, store)).run()
-    assert [m for m in sent_messages(fake_model.bodies[0]) if m["role"] == "user"] == [
-        {"role": "user", "content": QUESTION},
-        steered(STEER),
-    ]
+    assert sent_messages(fake_model.bodies[0]) == [asked_with_steer(STEER)]
 
 
 @pytest.mark.parametrize("ending", ["over budget", "its save failing"])

@@ -234,6 +234,28 @@ def test_request_body_carries_roles_tool_calls_and_raw_arguments() -> None:
     }
 
 
+def test_request_body_sends_user_messages_next_to_each_other_as_one_so_that_roles_alternate() -> None:
+    request = ChatRequest(
+        messages=[
+            Message(role="user", text="Is the vault up?"),
+            Message(role="user", text="[sent while the agent was working] Check the lease too."),
+            Message(role="assistant", text="It is degraded."),
+            Message(role="user", text=""),
+            Message(role="user", text="Why?"),
+            Message(role="user", text="I am Ana.", name="ana"),
+            Message(role="user", text="And I am Ben.", name="ben"),
+        ]
+    )
+    assert request_body(request, model="m", stream=False)["messages"] == [
+        {"role": "user", "content": "Is the vault up?\n\n[sent while the agent was working] Check the lease too."},
+        {"role": "assistant", "content": "It is degraded."},
+        {"role": "user", "content": "Why?"},
+        {"role": "user", "content": "I am Ana.", "name": "ana"},  # two speakers are not merged into one
+        {"role": "user", "content": "And I am Ben.", "name": "ben"},
+    ]
+    assert [message.text for message in request.messages][:2] == ["Is the vault up?", "[sent while the agent was working] Check the lease too."]
+
+
 def test_request_body_refuses_a_tool_result_that_names_no_call() -> None:
     request = ChatRequest([Message(role="user", text="hi"), Message(role="tool", text="result")])
     with pytest.raises(ValueError, match="message 1 is a tool result without a tool_call_id"):

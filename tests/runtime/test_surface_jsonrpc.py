@@ -744,7 +744,9 @@ async def test_cancel_ends_the_model_request_in_flight(keel: Served) -> None:
 async def test_cancel_answers_with_canceled_on_disk_and_the_next_turn_follows_the_partial_answer(keel: Served) -> None:
     """CancelTask's response waits for CANCELED to be durable, not for the run to unwind; the
     run saves what it had streamed while it still holds the conversation, so a turn sent right
-    after the response comes after that partial answer in the transcript."""
+    after the response comes after that partial answer in the transcript, and reaches a model
+    that wants roles to alternate (the unfinished answer is never sent) as one question."""
+    keel.model.alternate_roles = True
     keel.model.script = [
         Reply(text="The lease expires at noon on Friday", chunk_chars=8, hang_after_chunks=3),
         Reply(text="Noon."),
@@ -763,6 +765,9 @@ async def test_cancel_answers_with_canceled_on_disk_and_the_next_turn_follows_th
     stored = await keel.sessions.messages(task["contextId"])
     assert [(m.role, m.partial) for m in stored] == [("user", False), ("assistant", True), ("user", False), ("assistant", False)]
     assert stored[1].text.startswith("The leas") and stored[3].text == "Noon."
+    assert keel.model.bodies[-1]["messages"][1:] == [
+        {"role": "user", "content": "When does the lease expire?\n\nAnd the deposit?"}
+    ]
 
 
 async def test_a_steer_its_task_never_took_stays_with_that_task_and_never_reaches_the_next(keel: Served) -> None:
