@@ -702,7 +702,7 @@ class Runner:
                 nursery.start_soon(working.write)
                 run = AgentRun(
                     self.model, self.agent, messages, session=session, on_event=_answer_streamer(live), ready=working.wait,
-                    gate=live.steers,
+                    gate=live.steers, calls_made=sum(message.role == "assistant" for message in turn),
                 )  # fmt: skip
                 try:
                     result = await run.run()

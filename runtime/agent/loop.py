@@ -91,7 +91,7 @@ class Result:
 
     output: str
     messages: tuple[Message, ...]
-    model_calls: int
+    model_calls: int  # the turn's, those made before a restart included (AgentRun.calls_made)
     usage: Usage | None
     unapplied_steers: tuple[str, ...]
 
@@ -138,9 +138,13 @@ class AgentRun:
     ready: Callable[[], Awaitable[object]] | None = None
     # Given by a caller that accepts steers for this run (see SteerGate); the run closes it.
     gate: SteerGate | None = None
+    # The model calls this turn had made when its process stopped (the answers it stored, for a
+    # run that resumes it): they count toward the budget, so that no number of restarts lets a
+    # runaway turn make more calls than one run may.
+    calls_made: int = attrs.field(default=0, validator=attrs.validators.ge(0), kw_only=True)
     _box: SteerBox = attrs.field(init=False, factory=SteerBox)
     _unapplied: list[str] = attrs.field(init=False, factory=list)  # see unapplied_steers
-    _calls: int = attrs.field(init=False, default=0)
+    _calls: int = attrs.field(init=False, default=attrs.Factory(lambda self: self.calls_made, takes_self=True))
     _usage: Usage | None = attrs.field(init=False, default=None)
     _started: bool = attrs.field(init=False, default=False)
     _saved: int = attrs.field(init=False, default=-1)  # how many messages the last save stored
@@ -200,6 +204,8 @@ class AgentRun:
         tools = {tool.name: tool for tool in self.spec.tools}
         specs = tuple(tool.spec() for tool in self.spec.tools)
         steps = continuations = 0
+        if self._calls >= self.spec.max_model_calls:  # spent before a restart
+            raise BudgetExhausted(self.spec.max_model_calls)
         # A run resumed from a session's stored messages starts here; if a process died during
         # a step, the transcript ends where that step began, and the step is done again (_ask).
         await self._look()

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import trio
 import trio.testing
-from fake_model import FakeModel, Reply
+from fake_model import Call, FakeModel, Reply
 
 from persistence.api import TaskRecord
 from persistence.errors import StoreClosed
@@ -20,6 +21,7 @@ from persistence.session import Session
 from persistence.sessions import SqliteSessionStore, open_session_store
 from persistence.tasks import SqliteTaskStore, open_task_store
 from persistence.transcript import Message as Transcribed
+from persistence.transcript import ToolCall
 from persistence.writer import running
 from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart
 from runtime.agent import AgentSpec
@@ -40,7 +42,7 @@ OpenTasks = Callable[[Path], AbstractAsyncContextManager[SqliteTaskStore]]
 
 @asynccontextmanager
 async def runner_over(
-    state: Path, model: FakeModel, open_tasks: OpenTasks = open_task_store
+    state: Path, model: FakeModel, open_tasks: OpenTasks = open_task_store, agent: AgentSpec = AgentSpec()
 ) -> AsyncIterator[tuple[Runner, SqliteSessionStore, SqliteTaskStore]]:
     """A runner over the SQLite files in ``state`` (taking up what a dead process left there
     before this yields) and the fake model server; stopped when the block is left."""
@@ -50,7 +52,7 @@ async def runner_over(
         open_model_client(ModelConfig(base_url=model.base_url, max_retries=0)) as client,
         trio.open_nursery() as nursery,
     ):
-        runner: Runner = await nursery.start(Runner(sessions, tasks, client, AgentSpec()).run)
+        runner: Runner = await nursery.start(Runner(sessions, tasks, client, agent).run)
         yield runner, sessions, tasks
         runner.stop()
 
@@ -148,6 +150,30 @@ async def test_an_unfinished_turn_that_a_later_turn_has_overtaken_fails_rather_t
         assert settled.status.message is not None
         assert "its conversation has gone on since" in message_text(settled.status.message)
         assert [m.text for m in await sessions.messages("ctx-1")] == [QUESTION, "And the rollback?", "Not needed."]
+
+
+def calls_and_results(task_id: str, calls: int) -> list[Transcribed]:
+    """A turn's question, then ``calls`` model calls of a tool and their results."""
+    messages = [Transcribed(role="user", text=QUESTION, turn_id=task_id)]
+    for n in range(calls):
+        messages.append(Transcribed(role="assistant", tool_calls=[ToolCall(f"call_{n}", "lookup", "{}")]))
+        messages.append(Transcribed(role="tool", text="no such tool", tool_call_id=f"call_{n}"))
+    return messages
+
+
+@pytest.mark.parametrize("made", [3, 4])
+async def test_a_resumed_turn_counts_the_model_calls_it_made_before_its_process_died_toward_its_budget(
+    tmp_path: Path, fake_model: FakeModel, made: int
+) -> None:
+    task_id = await left_by_a_dead_process(tmp_path, TaskState.WORKING, lambda task_id: calls_and_results(task_id, made))
+    fake_model.default = Reply(tool_calls=[Call("lookup")])  # a runaway turn
+    async with runner_over(tmp_path, fake_model, agent=AgentSpec(max_model_calls=4)) as (runner, _, _):
+        with trio.fail_after(DEADLINE_S):
+            settled = await runner.wait_settled(ANONYMOUS, task_id)
+    assert len(fake_model.bodies) == 4 - made
+    assert settled.status.state is TaskState.FAILED
+    assert settled.status.message is not None
+    assert "the turn made its 4 model calls" in message_text(settled.status.message)
 
 
 @attrs.define(eq=False)
