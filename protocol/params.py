@@ -7,8 +7,9 @@ as 1.0's ``tenant``, are ignored.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import attrs
 
@@ -181,7 +182,7 @@ class ListTasksParams:
             page_size=reader.opt_int("pageSize", minimum=1, maximum=MAX_PAGE_SIZE),
             page_token=reader.opt_string("pageToken"),
             history_length=reader.opt_int("historyLength", minimum=0),
-            status_timestamp_after=reader.opt_timestamp("statusTimestampAfter"),
+            status_timestamp_after=_at_or_after(reader, "statusTimestampAfter"),
             include_artifacts=reader.flag("includeArtifacts"),
         )
 
@@ -198,6 +199,23 @@ class ListTasksParams:
                 ("includeArtifacts", self.include_artifacts or None),
             ]
         )
+
+
+# A fraction of a second that goes on, past its microseconds, to a digit other than 0.
+_FINER_THAN_MICROSECONDS = re.compile(r"\.[0-9]{6}[0-9]*[1-9]")
+
+
+def _at_or_after(reader: JsonReader, key: str) -> datetime | None:
+    """A lower bound on times of whole microseconds (a datetime holds no finer ones), so the
+    time given rounded up to its microsecond: a ProtoJSON Timestamp may have nanoseconds, which
+    the parse drops, and a time just past a microsecond must not take in that microsecond."""
+    moment = reader.opt_timestamp(key)
+    text = reader.value(key)
+    if moment is None or not isinstance(text, str) or _FINER_THAN_MICROSECONDS.search(text) is None:
+        return moment
+    if moment == datetime.max.replace(tzinfo=moment.tzinfo):  # nothing comes after it anyway
+        return moment
+    return moment + timedelta(microseconds=1)
 
 
 def _tasks(value: Iterable[Task]) -> tuple[Task, ...]:

@@ -51,7 +51,7 @@ from runtime.tasks import (
     answer_artifact,
     decode,
     encode,
-    epoch_ms,
+    epoch_ms_up,
     load,
     message_text,
     new_id,
@@ -481,9 +481,10 @@ class Runner:
                 owner,
                 context_id=params.context_id,
                 state=None if params.status is None else params.status.wire_name(STORED_VERSION),
-                # Strictly after: a status time in whole milliseconds is after ``after`` exactly
-                # when it is after ``after`` rounded down to its millisecond.
-                updated_after_ms=None if after is None else epoch_ms(after),
+                # At or after (a2a.proto ListTasksRequest.status_timestamp_after: "greater than or
+                # equal"): a status time in whole milliseconds is at or after ``after`` exactly when
+                # it is after the millisecond before ``after`` rounded up to its millisecond.
+                updated_after_ms=None if after is None else epoch_ms_up(after) - 1,
                 page_size=params.page_size or DEFAULT_PAGE_SIZE,
                 page_token=params.page_token or "",
             )

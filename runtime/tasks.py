@@ -65,6 +65,11 @@ def epoch_ms(moment: datetime) -> int:
     return (moment - _EPOCH) // timedelta(milliseconds=1)
 
 
+def epoch_ms_up(moment: datetime) -> int:
+    """Whole milliseconds since the Unix epoch, rounded up (exact: no floating point)."""
+    return -((_EPOCH - moment) // timedelta(milliseconds=1))
+
+
 def status_ms(task: Task) -> int | None:
     """The time of the task's status, as tasks.db keeps it (ListTasks orders and filters by it)."""
     return None if task.status.timestamp is None else epoch_ms(task.status.timestamp)

@@ -49,6 +49,11 @@ def send_params(text: str, version: str | None, **ids: str) -> dict[str, Any]:
     return {"message": message(text, version, **ids)}
 
 
+def rfc3339_us(moment: datetime) -> str:
+    """``moment`` in UTC to the microsecond, as a client would send it: ``...T12:00:00.250000Z``."""
+    return moment.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
 def check_error(error: dict[str, Any], code: int, version: str | None, reason: str | None) -> None:
     """The code, and ``data`` as the reference sends it: an ErrorInfo array in 1.0, null in 0.3."""
     assert error["code"] == code, error
@@ -676,18 +681,25 @@ async def test_list_tasks_pages_through_a_context(keel: Served) -> None:
     assert (await keel.result("ListTasks", {"status": "UNRECOGNIZED"}))["totalSize"] == 4  # @a2a-js/sdk's "no filter"
 
 
-async def test_list_tasks_after_a_status_timestamp_gives_exactly_the_tasks_whose_status_is_later(keel: Served) -> None:
-    # What a client polling with the newest status timestamp it has seen relies on: no task it
-    # has seen comes back, and none whose status is later is left out.
+async def test_list_tasks_after_a_status_timestamp_gives_exactly_the_tasks_whose_status_is_at_or_after_it(
+    keel: Served,
+) -> None:
+    # a2a.proto ListTasksRequest.status_timestamp_after: "Only tasks with a status timestamp time
+    # greater than or equal to this value will be returned" (spec 1.0 §3.1.4), as the reference's
+    # task stores filter. A task whose status is at the very time given is listed; none earlier is.
     keel.model.default = Reply(text="ok")
     sent = [await keel.send(f"q{i}", contextId="poll-ctx") for i in range(5)]
     moments = {task["id"]: datetime.fromisoformat(task["status"]["timestamp"]) for task in sent}
     one_us = timedelta(microseconds=1)
     for task in sent:
-        for given in (moments[task["id"]], moments[task["id"]] - one_us, moments[task["id"]] + one_us):
-            stamp = given.isoformat(timespec="microseconds").replace("+00:00", "Z")
+        at = moments[task["id"]]
+        stamps = {rfc3339_us(given): given for given in (at, at - one_us, at + one_us)}
+        # A nanosecond later, as a ProtoJSON Timestamp can say: no status of a whole microsecond
+        # is at or after it unless it is at or after the next microsecond.
+        stamps[rfc3339_us(at).removesuffix("Z") + "001Z"] = at + one_us
+        for stamp, given in stamps.items():
             listed = await keel.result("ListTasks", {"contextId": "poll-ctx", "statusTimestampAfter": stamp})
-            expected = {task_id for task_id, moment in moments.items() if moment > given}
+            expected = {task_id for task_id, moment in moments.items() if moment >= given}
             assert {listed_task["id"] for listed_task in listed["tasks"]} == expected, stamp
 
 
