@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
 # Each command module exposes ``add_parser(subparsers)``; each command's parser sets ``func``
 # to a callable taking the parsed namespace and returning an exit code, and ``parser`` to itself.
+# A command that watches for SIGINT and SIGTERM itself also sets ``takes_held_signals`` (below).
 COMMAND_MODULES: tuple[str, ...] = ("runtime.serve_cli", "runtime.state_cli")
+
+# Held (blocked, so kept pending rather than lost) while the commands load, most of a second: a
+# Ctrl-C then would end in a KeyboardInterrupt traceback, and a SIGTERM would kill the process
+# without a word. `serve` lets them in once it watches for them, so one that came meanwhile ends
+# the start as one a moment later does; the other commands let them in as they begin.
+HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+INTERRUPTED_EXIT = 128 + signal.SIGINT  # what a shell reports for a command Ctrl-C ended
 
 
 def build_parser(prog: str = "python -m runtime") -> argparse.ArgumentParser:
@@ -23,15 +32,24 @@ def build_parser(prog: str = "python -m runtime") -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    started_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    # The installed ``keel`` command names itself so; ``python -m runtime`` runs __main__.py.
-    parser = build_parser(started_as if argv is None and started_as not in ("", "__main__.py") else "python -m runtime")
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said by the command's own parser (its ``parser`` default), with its usage
-        command: argparse.ArgumentParser = getattr(args, "parser", parser)
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
-    func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        started_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        # The installed ``keel`` command names itself so; ``python -m runtime`` runs __main__.py.
+        parser = build_parser(started_as if argv is None and started_as not in ("", "__main__.py") else "python -m runtime")
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the command's own parser (its ``parser`` default), with its usage
+            command: argparse.ArgumentParser = getattr(args, "parser", parser)
+            command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if not getattr(args, "takes_held_signals", False):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
+        func: Callable[[argparse.Namespace], int] = args.func
+        return func(args)
+    except KeyboardInterrupt:  # a Ctrl-C no command watches for
+        print("error: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    finally:  # as it was, for a caller that goes on (and for the processes it starts)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ databases there (read only, making nothing beside them where no server has them 
 from __future__ import annotations
 
 import difflib
+import errno
+import ipaddress
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -95,6 +97,8 @@ def _positive_float(text: str) -> float:
 
 
 def _url(text: str) -> str:
+    if not _bare(text).isprintable():  # a URL parser drops a tab or a newline, and shows the URL without it
+        raise ValueError("it holds a control character (a newline or a tab, say); remove it")
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"it must be an http:// or https:// URL with a host, like {DEFAULT_BASE_URL}")
@@ -105,6 +109,17 @@ def _url(text: str) -> str:
     except ValueError:
         raise ValueError(f"its port must be a whole number from 1 to 65535, like {DEFAULT_BASE_URL}") from None
     return text.rstrip("/")
+
+
+_HELD = 0xE000  # see _shown_url: a private-use character, which no URL parser drops
+
+
+def _shown_url(text: str) -> str:
+    """``text`` as without_credentials shows it, but with what a URL parser drops (control
+    characters and spaces at either end, a tab or a newline within) kept where it was, so that
+    a problem with one shows it. Each stands in the meantime as a private-use character."""
+    held = "".join(chr(_HELD + ord(c)) if c <= " " else c for c in text)
+    return "".join(chr(ord(c) - _HELD) if _HELD <= ord(c) <= _HELD + 0x20 else c for c in without_credentials(held))
 
 
 def _public_url(text: str) -> str:
@@ -119,7 +134,7 @@ def _public_url(text: str) -> str:
 def _state_dir(text: str) -> Path:
     """A directory this user can write in, or one it can create (nothing is created here). Said
     in the words serve and the state commands use for a state directory they cannot use."""
-    path = Path(_non_empty(text))
+    path = Path(_bare(text))
     try:
         return _writable_dir(path)
     except OSError as exc:  # a parent this user may not search, a name too long...
@@ -190,18 +205,67 @@ def _can_listen_on(host: str) -> None:
         raise ValueError(f"serve could not listen on it ({exc.strerror or exc})") from None
 
 
+def _may_listen_at(host: str, port: int) -> None:
+    """Bind the port itself on the host, as serve will: a port this user may not listen on (one
+    below 1024, say) fails here as it would there. A port another process holds now passes: it
+    may be a server this one is to replace, gone by the time serve starts."""
+    if port == 0:
+        return
+    bare = host.replace("[", "").replace("]", "")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as serve's HTTP server binds
+            sock.bind((bare, port))
+    except OSError as exc:
+        if exc.errno == errno.EACCES:
+            raise ValueError(
+                f"serve could not listen on it ({exc.strerror}; ports below 1024 need privileges): choose another"
+                " port, or give the server the privilege (CAP_NET_BIND_SERVICE)"
+            ) from None
+
+
 def _non_empty(text: str) -> str:
     if not text.strip():
         raise ValueError("it must not be empty")
     return text
 
 
+SURROUNDING_SPACE = "it starts or ends with white space (a file read with its newline?); remove it"
+
+
+def _bare(text: str) -> str:
+    """Text that is not empty and has no white space at either end: a value read from a file
+    with its newline would otherwise name another directory, address or model than the one meant."""
+    if _non_empty(text) != text.strip():
+        raise ValueError(SURROUNDING_SPACE)
+    return text
+
+
+HOST_SHAPE = (
+    "it must be a host name or an IP address, like 127.0.0.1, ::1 or [::1], with no scheme, path or port"
+    " (the port is AGENT_PORT, or --port)"
+)
+
+
+def _host(text: str) -> str:
+    """A name or an address to listen on, as serve's HTTP server reads it: a socket path or an
+    inherited descriptor (hypercorn's ``unix:PATH`` and ``fd://N`` binds) is not one, nor an
+    address with a port, which serve would join to its own. Only an IPv6 address holds a colon."""
+    inner = text[1:-1] if _bare(text).startswith("[") and text.endswith("]") else text
+    if any(c in inner for c in "[]/"):
+        raise ValueError(HOST_SHAPE)
+    if ":" in inner:
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            raise ValueError(HOST_SHAPE) from None
+    return text
+
+
 def _api_key(text: str) -> str:
     """A key that can be sent as it is in an Authorization header. What is wrong with one is
     said without showing it."""
-    _non_empty(text)
-    if text != text.strip():
-        raise ValueError("it starts or ends with white space (a file read with its newline?); remove it")
+    _bare(text)
     if not text.isascii() or not text.isprintable():
         raise ValueError("it holds a character an HTTP header cannot carry (a control character, or one outside ASCII)")
     return text
@@ -214,18 +278,18 @@ def _orphans(text: str) -> str:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("host", "AGENT_HOST", _non_empty, "--host", "address to listen on", probe=_can_listen_on),
+    Setting("host", "AGENT_HOST", _host, "--host", "address to listen on", probe=_can_listen_on),
     Setting("port", "AGENT_PORT", _port, "--port", "port to listen on (0: any free port)"),
     Setting("state_dir", "AGENT_STATE_DIR", _state_dir, "--state-dir", "where the databases live", probe=_can_make_state_dir),
     Setting(
         "model_base_url", "AGENT_MODEL_BASE_URL", _url, "--model-base-url", "an OpenAI-compatible API",
-        show=without_credentials,
+        show=_shown_url,
     ),  # fmt: skip
-    Setting("model", "AGENT_MODEL", _non_empty, "--model", "the model to ask"),
+    Setting("model", "AGENT_MODEL", _bare, "--model", "the model to ask"),
     Setting(
         "public_url", "AGENT_PUBLIC_URL", _public_url, "--public-url",
         "where clients reach this server, for the agent card (behind a proxy); unset: the address a request came in on",
-        show=without_credentials,
+        show=_shown_url,
     ),  # fmt: skip
     Setting("model_api_key", "AGENT_MODEL_API_KEY", _api_key, None, "bearer token for the model API", secret=True),
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
@@ -275,33 +339,40 @@ class Config:
         flags = flags or {}
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
-        problems: list[str] = []
+        problems: dict[str, str] = {}  # by field
         defaults = cls()
         for setting in SETTINGS:
             given = flags.get(setting.field)
             source = setting.flag if given is not None and setting.flag is not None else setting.env
             text = given if given is not None else env.get(setting.env)
+            sources[setting.field] = source
             try:
                 if text is not None:
                     values[setting.field] = setting.parse(text)
-                    sources[setting.field] = source
                 if probe and setting.probe is not None:
                     setting.probe(values.get(setting.field, getattr(defaults, setting.field)))
             except ValueError as exc:
                 said = str(getattr(defaults, setting.field)) if text is None else text  # a default is probed too
                 shown = "(hidden)" if setting.secret else repr(setting.show(said))
-                problems.append(f"{source}={shown} is not valid: {exc}")
+                problems[setting.field] = f"{source}={shown} is not valid: {exc}"
+        if probe and not problems.keys() & {"host", "port"}:
+            port = values.get("port", defaults.port)
+            try:
+                _may_listen_at(values.get("host", defaults.host), port)
+            except ValueError as exc:
+                problems["port"] = f"{sources['port']}={str(port)!r} is not valid: {exc}"
+        found = list(problems.values())
         url = values.get("model_base_url")
         if url is not None and values.get("model_api_key") is not None and any(url_credentials(url)):
             # httpx would send them as HTTP Basic auth, and the key would never be sent.
-            problems.append(
+            found.append(
                 f"{sources['model_base_url']}={without_credentials(url)!r} is not valid with AGENT_MODEL_API_KEY set: it"
                 " carries credentials (before its '@'), which would be sent in place of the key; take them out of the URL"
                 " to send the key, or unset AGENT_MODEL_API_KEY to send them (HTTP Basic auth)"
             )
-        problems.extend(unknown_settings(env))
-        if problems:
-            raise ConfigError(problems)
+        found.extend(unknown_settings(env))
+        if found:
+            raise ConfigError(found)
         return cls(**values)
 
 
@@ -337,6 +408,8 @@ def backup_root(env: Mapping[str, str], state_dir: Path | None) -> Path | None:
         return None if state_dir is None else default_backup_root(state_dir)
     if not text.strip():
         raise ValueError("it must not be empty; unset it for the default, <state-dir>-backups beside the state directory")
+    if text != text.strip():
+        raise ValueError(SURROUNDING_SPACE)
     root = Path(text)
     if state_dir is not None and root.resolve().is_relative_to(state_dir.resolve()):
         raise ValueError("it is inside the state directory; snapshots must go outside it")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import logging
@@ -28,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "still answered), a third stops at once.",
     )
     _add_setting_flags(serve)
-    serve.set_defaults(func=_serve, parser=serve)
+    serve.set_defaults(func=_serve, parser=serve, takes_held_signals=True)  # see _watch_signals
     check = subparsers.add_parser(
         "check", help="validate the configuration and print every problem at once (exit 1 if any)"
     )
@@ -115,13 +116,15 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 async def _main(config: Config, **options: Any) -> None:
-    from runtime.server import serve  # imported here: `check` must work without the server's imports
-
     shutdown, hurry, serving, stopped = trio.Event(), trio.Event(), trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_watch_signals, shutdown, hurry, nursery.cancel_scope, serving, stopped)
+        await nursery.start(_watch_signals, shutdown, hurry, nursery.cancel_scope, serving, stopped)
 
         async def server(*, task_status: trio.TaskStatus[Any]) -> None:
+            # Imported here, once signals are watched (a Ctrl-C while it loads ends the start
+            # without a traceback); and `check` must work without the server's imports.
+            from runtime.server import serve
+
             try:
                 await serve(config, shutdown, hurry=hurry, task_status=task_status, **options)
             finally:
@@ -131,7 +134,21 @@ async def _main(config: Config, **options: Any) -> None:
         started = await nursery.start(server)
         serving.set()
         _tune_collector()
-        print(f"keel serving A2A at {started.url} (state in {config.state_dir})", flush=True)
+        _announce(f"keel serving A2A at {started.url} (state in {config.state_dir})")
+
+
+def _announce(line: str) -> None:
+    """Print ``line`` on stdout. The server serves whether or not it can (a reader that has gone,
+    a full disk): stdout carries this line alone, and the log says where it serves too."""
+    try:
+        print(line, flush=True)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("standard output cannot be written (%s); %s all the same", os_error_text(exc), line)
+        with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor has nothing to redirect
+            # What stayed in its buffer goes nowhere, rather than fail again as the process exits.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
 
 
 GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
@@ -157,15 +174,25 @@ HARD_STOP_EXIT = 1
 
 
 async def _watch_signals(
-    shutdown: trio.Event, hurry: trio.Event, scope: trio.CancelScope, serving: trio.Event, stopped: trio.Event
+    shutdown: trio.Event,
+    hurry: trio.Event,
+    scope: trio.CancelScope,
+    serving: trio.Event,
+    stopped: trio.Event,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Before the server serves, SIGTERM or SIGINT ends the start at once. Then the first starts
     a graceful shutdown; a second cancels the runs at once (their clients are still answered);
     a third stops at once: the server is cancelled, and if it has not stopped within
     HARD_STOP_S, held by a client that takes nothing, the process exits without it, as after
-    a crash (every state written is durable; the next process resumes the rest)."""
+    a crash (every state written is durable; the next process resumes the rest). Started once
+    it watches: the signals the command line held while it loaded (runtime.__main__) are let
+    in then, so one that came meanwhile is taken as the first."""
     log = logging.getLogger(__name__)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+        task_status.started()
         async for signum in signals:
             name = signal.Signals(signum).name
             if not serving.is_set():

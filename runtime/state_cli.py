@@ -19,7 +19,7 @@ from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
 from persistence.statedir import StateError, UnusableStateDir, is_db_name, try_state_dir
 from runtime.agents import app_version
-from runtime.config import BACKUP_ROOT_ENV, ConfigError, default_backup_root, os_error_text, unknown_settings
+from runtime.config import BACKUP_ROOT_ENV, SURROUNDING_SPACE, ConfigError, default_backup_root, os_error_text, unknown_settings
 
 DEFAULT_STATE_DIR = ".state"
 DEFAULT_KEEP = 7
@@ -93,9 +93,9 @@ def _env_path(name: str) -> Path | None:
     value = os.environ.get(name)
     if value is None:
         return None
-    if not value:
+    if not value.strip():
         raise _UsageError(f"{name} must not be empty; unset the variable to use its default")
-    return Path(value)
+    return _bare_path(value, name)
 
 
 def _flag_path(text: str | None, flag: str) -> Path | None:
@@ -103,8 +103,16 @@ def _flag_path(text: str | None, flag: str) -> Path | None:
     than read as the current directory."""
     if text is None:
         return None
-    if not text:
+    if not text.strip():
         raise _UsageError(f"{flag} must not be empty; leave it out to use its default")
+    return _bare_path(text, flag)
+
+
+def _bare_path(text: str, given_as: str) -> Path:
+    """Refused with white space at either end, as serve and check refuse it: a value read from
+    a file with its newline would name another directory."""
+    if text != text.strip():
+        raise _UsageError(f"{given_as}={text!r} is not valid: {SURROUNDING_SPACE}")
     return Path(text)
 
 

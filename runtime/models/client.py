@@ -229,6 +229,9 @@ _NO_PATH_HINT = (
     "; the base URL has no path: add the /v1 that OpenAI-compatible servers serve under to AGENT_MODEL_BASE_URL"
     " (or --model-base-url)"
 )
+# A redirect is not followed (a POST would be sent again as a GET, a key to another host):
+# the base URL is to say where the server is.
+_REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
 
 @attrs.define(eq=False)
 class ModelClient:
@@ -395,7 +398,11 @@ class ModelClient:
             hint = _NO_PATH_HINT if status == 404 and urlsplit(self.config.base_url).path in ("", "/") else ""
             error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=self._credentials_sent(), hint=hint)
             return _Failure(error, retry=False)
-        error = ModelBadResponse(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
+        reason = f"the server answered HTTP {status}"
+        if response.has_redirect_location:  # http:// to a server that wants https://, say; not followed
+            reason += f", a redirect{_REDIRECT_HINT}"
+            detail = f"it redirects to {self._scrub(without_credentials(response.headers['location']))}; {detail}"
+        error = ModelBadResponse(model, reason, detail=detail, status=status, attempts=attempt)
         return _Failure(error, retry=False)
 
     async def _read_json(self, response: httpx.Response) -> Any:

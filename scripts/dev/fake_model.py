@@ -82,12 +82,14 @@ class Reply:
 
 @attrs.frozen
 class ErrorReply:
-    """An HTTP error. An empty ``body`` gives an OpenAI-style error object."""
+    """An HTTP error, or with ``location`` a redirect (a 3xx status). An empty ``body`` gives an
+    OpenAI-style error object."""
 
-    status: int = attrs.field(validator=[attrs.validators.ge(400), attrs.validators.le(599)])
+    status: int = attrs.field(validator=[attrs.validators.ge(300), attrs.validators.le(599)])
     body: str = ""
     retry_after: str | None = None
     delay_s: float = 0.0
+    location: str | None = None
 
 
 ScriptItem = Reply | ErrorReply
@@ -224,6 +226,7 @@ class FakeModel:
             exchange.complete = True
             body = item.body or json.dumps(_error(f"scripted HTTP {item.status}", "scripted_error"))
             extra = [(b"retry-after", item.retry_after.encode())] if item.retry_after is not None else []
+            extra += [(b"location", item.location.encode())] if item.location is not None else []
             await _send_bytes(send, item.status, body.encode(), "application/json", extra)
             return
         number = len(self.bodies)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -548,3 +549,74 @@ async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal
         assert f"waiting for another process (a snapshot, a restore, or a server starting) to let go of {state / GENERATION_LOCK_NAME}" in said
     finally:
         os.close(holder)
+
+
+def has_loaded(pid: int, library: str) -> bool:
+    """Whether process ``pid`` has mapped a shared library whose path holds ``library``."""
+    return library in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda sig: sig.name)
+@pytest.mark.parametrize(
+    "loading",
+    [
+        "_sqlite3",  # imported with the configuration, before the event loop runs
+        "markupsafe",  # imported with the HTTP surface, once the event loop runs
+    ],
+)
+async def test_a_signal_while_serve_loads_its_modules_ends_the_start_as_one_a_moment_later_does(
+    tmp_path: Path, fake_model: FakeModel, sig: signal.Signals, loading: str
+) -> None:
+    # A Ctrl-C in serve's first second ended in a KeyboardInterrupt traceback, and a SIGTERM
+    # killed it without a word. The generation lock, held, keeps it from serving meanwhile.
+    state = tmp_path / "state"
+    state.mkdir()
+    holder = os.open(state / GENERATION_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        process = await trio.lowlevel.open_process(
+            serve_command(state, fake_model.base_url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+        )
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            while not has_loaded(process.pid, loading):
+                await trio.sleep(0.002)  # polling against a deadline: the library is mapped within a second
+            process.send_signal(sig)
+            assert process.stdout is not None
+            said = b""
+            async for chunk in process.stdout:
+                said += chunk
+            returncode = await process.wait()
+    finally:
+        os.close(holder)
+    assert returncode == 0, said.decode()
+    assert "Traceback" not in said.decode() and "keel serving" not in said.decode()
+    assert f"{sig.name} before the server was serving: not starting" in said.decode()
+
+
+async def test_serve_keeps_serving_when_its_standard_output_cannot_be_written(tmp_path: Path, fake_model: FakeModel) -> None:
+    # `serve | head -0`, or stdout on a full disk: the line saying where it serves cannot be
+    # written. The server went down saying "error: Broken pipe", as if its storage had failed.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = await trio.lowlevel.open_process(
+            serve_command(tmp_path / "state", fake_model.base_url), stdout=write_end, stderr=subprocess.PIPE, env=child_env()
+        )
+    finally:
+        os.close(write_end)
+    assert process.stderr is not None
+    said = b""
+    warned = re.compile(rb"standard output cannot be written \(Broken pipe\); keel serving A2A at (\S+) ")
+    with trio.fail_after(STARTUP_DEADLINE_S):
+        while not (found := warned.search(said)):
+            chunk = await process.stderr.receive_some(65536)
+            assert chunk, f"serve exited with {await process.wait()}:\n{said.decode()}"
+            said += chunk
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(found.group(1).decode() + "livez")).json() == {"status": "alive"}
+        process.send_signal(signal.SIGTERM)
+        async for chunk in process.stderr:
+            said += chunk
+        assert await process.wait() == 0, said.decode()
+    assert "Traceback" not in said.decode()
+    assert not [line for line in said.decode().splitlines() if line.startswith("error:")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,62 @@ def test_an_api_key_no_http_header_can_carry_is_refused_without_showing_it(key: 
     assert said in str(caught.value) and key.strip() not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "variable", ["AGENT_HOST", "AGENT_STATE_DIR", "AGENT_MODEL", "AGENT_MODEL_BASE_URL", "AGENT_PUBLIC_URL"]
+)
+def test_a_value_read_from_a_file_with_its_newline_is_refused_rather_than_taken_for_another(
+    tmp_path: Path, variable: str
+) -> None:
+    # A secret mounted as a file keeps its newline: the state went to a directory named with it,
+    # the agent card gave clients a URL ending in it, the model was asked for a name with it.
+    meant = {
+        "AGENT_HOST": "127.0.0.1", "AGENT_STATE_DIR": str(tmp_path / "state"), "AGENT_MODEL": "qwen3:4b-instruct",
+        "AGENT_MODEL_BASE_URL": "http://127.0.0.1:11434/v1", "AGENT_PUBLIC_URL": "https://agents.example/keel",
+    }[variable]  # fmt: skip
+    given = meant + "\n"
+    with pytest.raises(ConfigError) as caught:
+        Config.load({variable: given})
+    assert caught.value.problems == [
+        f"{variable}={given!r} is not valid: it starts or ends with white space (a file read with its newline?); remove it"
+    ]
+    assert not (tmp_path / "state\n").exists()
+
+
+def test_a_url_holding_a_control_character_is_refused_rather_than_shown_without_it() -> None:
+    # A URL parser drops a tab or a newline inside a URL: `check` showed the URL without it, and
+    # the agent card gave clients the URL with it.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_PUBLIC_URL": "https://agents.\texample/keel"})
+    assert caught.value.problems == [
+        "AGENT_PUBLIC_URL='https://agents.\\texample/keel' is not valid: it holds a control character (a newline or a tab,"
+        " say); remove it"
+    ]
+
+
+@pytest.mark.parametrize("host", ["unix:/run/keel.sock", "fd://3", "localhost:8080", "[::1]:8080", "[::1", "http://127.0.0.1"])
+def test_a_host_that_is_a_socket_path_a_descriptor_or_carries_a_port_is_refused_saying_what_a_host_is(host: str) -> None:
+    # serve's HTTP server read `unix:PATH` as a socket path (it listened on PATH:8080) and
+    # `fd://N` as a descriptor (a traceback), and joined a port given here to its own.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_HOST": host})
+    assert caught.value.problems == [
+        f"AGENT_HOST={host!r} is not valid: it must be a host name or an IP address, like 127.0.0.1, ::1 or [::1], with no"
+        " scheme, path or port (the port is AGENT_PORT, or --port)"
+    ]
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]", "0.0.0.0", "::", "localhost", "127.0.0.1"])
+def test_a_host_name_or_an_ip_address_bare_or_in_brackets_is_taken_as_given(host: str) -> None:
+    assert Config.load({"AGENT_HOST": host}).host == host
+
+
+def test_serve_refuses_a_host_it_would_read_as_a_descriptor_without_a_traceback(tmp_path: Path) -> None:
+    result = run_cli("serve", "--host", "fd://3", "--state-dir", str(tmp_path / "state"), env={})
+    assert result.returncode == 1, result.stdout
+    assert result.stderr.startswith("error: the configuration has problems:\n  - --host='fd://3' is not valid: it must be")
+    assert "Traceback" not in result.stderr and not (tmp_path / "state").exists()
+
+
 def test_a_state_directory_that_cannot_be_reached_is_a_problem_with_the_others(tmp_path: Path) -> None:
     unreachable = tmp_path / ("x" * 300) / "state"  # a name longer than the file system takes
     result = run_cli("check", env={"AGENT_STATE_DIR": str(unreachable), "AGENT_PORT": "99999"})
@@ -235,9 +292,13 @@ def test_check_refuses_a_host_serve_could_not_listen_on(tmp_path: Path, host: st
 
 
 def test_check_accepts_a_host_of_this_machine_whatever_holds_the_port(tmp_path: Path) -> None:
-    result = run_cli("check", env={"AGENT_HOST": "localhost", "AGENT_PORT": "1", "AGENT_STATE_DIR": str(tmp_path)})
+    with socket.socket() as holder:  # a server this one is to replace, say
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = str(holder.getsockname()[1])
+        result = run_cli("check", env={"AGENT_HOST": "localhost", "AGENT_PORT": port, "AGENT_STATE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    assert "AGENT_HOST=localhost" in result.stdout
+    assert "AGENT_HOST=localhost" in result.stdout and f"AGENT_PORT={port}" in result.stdout
 
 
 def test_check_shows_every_setting_not_set_alike_and_where_snapshots_go(tmp_path: Path) -> None:

@@ -375,6 +375,22 @@ async def test_a_base_url_without_v1_is_hinted_at_when_the_server_has_no_such_en
     assert raised.value.reason == "the model or the endpoint does not exist on the server (HTTP 404)"
 
 
+async def test_a_redirect_says_what_to_change_and_the_log_says_where_it_leads(fake_model: FakeModel) -> None:
+    # http:// given for a server that redirects to https:// was "the server answered HTTP 301",
+    # and the log said no more.
+    fake_model.default = ErrorReply(301, body="Moved", location="https://models.example/v1/chat/completions?key=k-secret-1")
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelBadResponse) as raised:
+                await client.complete(ASK)
+    assert raised.value.reason == (
+        "the server answered HTTP 301, a redirect: give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads"
+        " to, which the log names"
+    )
+    assert raised.value.detail == "it redirects to https://models.example/v1/chat/completions?key=***; HTTP 301: Moved"
+    assert "models.example" not in str(raised.value)
+
+
 async def test_rate_limit_asking_for_a_longer_wait_than_the_backoff_cap_is_not_waited_for(fake_model: FakeModel) -> None:
     fake_model.default = ErrorReply(429, retry_after="3600")
     with trio.fail_after(DEADLINE_S):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -125,3 +127,20 @@ async def test_a_start_given_up_while_it_waits_for_the_state_directory_lets_go_o
     assert start.cancelled_caught
     snapshot_done.set()
     assert await trio.to_thread.run_sync(released.wait, 10), "the hold taken after the start was given up on was kept"
+
+
+async def test_check_interrupted_while_it_loads_says_so_without_a_traceback(tmp_path: Path) -> None:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "runtime", "check", "--state-dir", str(tmp_path / "state")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items() if not k.startswith("AGENT_")},
+    )  # fmt: skip
+    with trio.fail_after(60):
+        while "_sqlite3" not in Path(f"/proc/{process.pid}/maps").read_text():  # loaded with the configuration
+            await trio.sleep(0.002)  # polling against a deadline: the library is mapped within a second
+        process.send_signal(signal.SIGINT)
+        assert process.stderr is not None
+        said = b""
+        async for chunk in process.stderr:
+            said += chunk
+        assert await process.wait() == 130
+    assert said.decode() == "error: interrupted\n"

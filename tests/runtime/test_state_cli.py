@@ -118,6 +118,25 @@ def test_a_state_command_refuses_an_empty_directory_flag_as_it_refuses_an_empty_
     assert contents(tmp_path) == before
 
 
+@pytest.mark.parametrize("variable", ["AGENT_STATE_DIR", "AGENT_BACKUP_ROOT"])
+def test_a_state_command_refuses_a_directory_read_from_a_file_with_its_newline_as_serve_does(
+    tmp_path: Path, variable: str
+) -> None:
+    # A secret mounted as a file keeps its newline: snapshots went to (and restores read) a
+    # directory whose name ends in one, beside the directory meant.
+    state = live_state(tmp_path)
+    before = contents(tmp_path)
+    given = f"{state if variable == 'AGENT_STATE_DIR' else tmp_path / 'backups'}\n"
+
+    result = keel(tmp_path, "state", "snapshot", **{variable: given})
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"error: {variable}={given!r} is not valid: it starts or ends with white space (a file read with its newline?); remove it"
+    )
+    assert contents(tmp_path) == before
+
+
 def test_state_commands_refuse_a_planted_incomplete_journal_until_it_is_removed(tmp_path: Path) -> None:
     state = live_state(tmp_path)
     journal = state / ".restore-journal.json"
