@@ -135,6 +135,8 @@ def _state_dir(text: str) -> Path:
     """A directory this user can write in, or one it can create (nothing is created here). Said
     in the words serve and the state commands use for a state directory they cannot use."""
     path = Path(_bare(text))
+    if text.startswith("~"):  # no shell expanded it (a service manager's environment, say)
+        raise ValueError(UNEXPANDED_HOME)
     try:
         return _writable_dir(path)
     except OSError as exc:  # a parent this user may not search, a name too long...
@@ -230,6 +232,7 @@ def _non_empty(text: str) -> str:
     return text
 
 
+UNEXPANDED_HOME = "it starts with '~', which only a shell expands, to a home directory; give the whole path"
 SURROUNDING_SPACE = "it starts or ends with white space (a file read with its newline?); remove it"
 
 
@@ -268,6 +271,8 @@ def _api_key(text: str) -> str:
     _bare(text)
     if not text.isascii() or not text.isprintable():
         raise ValueError("it holds a character an HTTP header cannot carry (a control character, or one outside ASCII)")
+    if text.lower().startswith("bearer "):  # it would go as "Bearer Bearer ..." and be refused
+        raise ValueError("it starts with 'Bearer ', which Keel sends itself; give the key alone")
     return text
 
 

@@ -157,6 +157,7 @@ def test_a_public_url_is_an_address_clients_can_reach() -> None:
         (" sk-pasted", "starts or ends with white space"),
         ("sk-s\u00e9cret", "a character an HTTP header cannot carry"),
         ("sk-tab\there", "a character an HTTP header cannot carry"),
+        ("Bearer sk-whole-header", "starts with 'Bearer ', which Keel sends itself"),
     ],
 )
 def test_an_api_key_no_http_header_can_carry_is_refused_without_showing_it(key: str, said: str) -> None:
@@ -164,6 +165,15 @@ def test_an_api_key_no_http_header_can_carry_is_refused_without_showing_it(key: 
         Config.load({"AGENT_MODEL_API_KEY": key})
     assert caught.value.problems == [f"AGENT_MODEL_API_KEY=(hidden) is not valid: {caught.value.problems[0].split(': ', 1)[1]}"]
     assert said in str(caught.value) and key.strip() not in str(caught.value)
+
+
+def test_a_state_directory_starting_with_a_tilde_no_shell_expanded_is_refused_rather_than_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="AGENT_STATE_DIR='~/keel' is not valid: it starts with '~', which only a shell expands"):
+        Config.load({"AGENT_STATE_DIR": "~/keel"}, probe=True)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,20 @@ def test_a_state_command_refuses_a_directory_read_from_a_file_with_its_newline_a
     assert contents(tmp_path) == before
 
 
+def test_a_state_command_refuses_a_state_directory_starting_with_a_tilde_no_shell_expanded(tmp_path: Path) -> None:
+    live_state(tmp_path)
+    before = contents(tmp_path)
+
+    result = keel(tmp_path, "state", "snapshot", AGENT_STATE_DIR="~/state")
+
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: AGENT_STATE_DIR='~/state' is not valid: it starts with '~', which only a shell expands, to a home"
+        " directory; give the whole path"
+    )
+    assert contents(tmp_path) == before
+
+
 def test_state_commands_refuse_a_planted_incomplete_journal_until_it_is_removed(tmp_path: Path) -> None:
     state = live_state(tmp_path)
     journal = state / ".restore-journal.json"
