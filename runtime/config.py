@@ -359,7 +359,8 @@ class Config:
             except ValueError as exc:
                 said = str(getattr(defaults, setting.field)) if text is None else text  # a default is probed too
                 shown = "(hidden)" if setting.secret else repr(setting.show(said))
-                problems[setting.field] = f"{source}={shown} is not valid: {exc}"
+                unset = " (the default: it is not set)" if text is None else ""
+                problems[setting.field] = f"{source}={shown}{unset} is not valid: {exc}"
         if probe and not problems.keys() & {"host", "port"}:
             port = values.get("port", defaults.port)
             try:

@@ -167,6 +167,18 @@ def test_an_api_key_no_http_header_can_carry_is_refused_without_showing_it(key: 
     assert said in str(caught.value) and key.strip() not in str(caught.value)
 
 
+def test_a_default_that_will_not_do_is_said_to_be_the_default_not_a_value_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".state").write_text("not a directory")
+    with pytest.raises(ConfigError) as caught:
+        Config.load({}, probe=True)
+    assert [problem.split(" is not valid")[0] for problem in caught.value.problems] == [
+        "AGENT_STATE_DIR='.state' (the default: it is not set)"
+    ]
+
+
 def test_a_state_directory_starting_with_a_tilde_no_shell_expanded_is_refused_rather_than_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
