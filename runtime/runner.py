@@ -17,6 +17,7 @@ import trio
 
 import persistence.errors as store_errors
 from persistence.api import SessionStore, SteerReceipt, TaskStore
+from persistence.locks import TurnLocks
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
@@ -147,6 +148,12 @@ class Runner:
     # queued for the turn lock, and the one this task sets when it has. So the turns of one
     # context are taken in the order their tasks were created, as they would have been.
     _in_line: dict[str, tuple[trio.Event | None, trio.Event]] = attrs.field(init=False, factory=dict)
+    # Each conversation's runs that hold or wait for its turn, in the order they queued for it
+    # (the turn lock's order: first come, first served). The first holds the turn, or is being
+    # handed it: a run handed the turn goes on only at the scheduler's next pass, after the one
+    # before it has let go.
+    _turns: dict[str, list[LiveTask]] = attrs.field(init=False, factory=dict)
+    _message_turns: TurnLocks = attrs.field(init=False, factory=TurnLocks)  # by messageId: see send
     _stopping: trio.Event = attrs.field(init=False, factory=trio.Event)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)  # set while no run is live
     # Sends past the stopping check whose task row is still being written: the drain waits for
@@ -245,10 +252,18 @@ class Runner:
     async def send(self, owner: str, params: SendMessageParams) -> Task:
         """A new task (SUBMITTED, durable before this returns), or a steer for a working one; for
         a message sent before (the same messageId), the task it went to, and nothing new."""
-        message = params.message
         if params.configuration.push_notification_config is not None:
             # The card says there are none: a webhook taken and never called would be worse.
             raise PushNotificationNotSupported()
+        # One message is taken one send at a time. A steer is known by its receipt in runtime.db
+        # and a task's first message by its row in tasks.db: the same message sent twice at once,
+        # once as a steer and once without its taskId, would find neither record in time, and go
+        # both ways. The second send waits, and finds what the first left.
+        async with self._message_turns.hold(params.message.message_id):
+            return await self._send(owner, params)
+
+    async def _send(self, owner: str, params: SendMessageParams) -> Task:
+        message = params.message
         if message.task_id:
             return await self._to_existing(owner, message.task_id, params)
         if message.context_id:
@@ -395,7 +410,7 @@ class Runner:
         state = task.status.state
         # Its run can take no more steers (its end not yet written, or its last answer on its way).
         ending = live is not None and (live.turn_over or live.steers.closed) and not state.is_terminal
-        ahead = None if state.is_terminal or live is None or live.in_turn or ending else self._turn_holder(task.context_id)
+        ahead = None if state.is_terminal or live is None or ending else self._turn_ahead(live)
         if state.is_terminal or ending or ahead is not None:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
             if receipt is not None:
@@ -414,7 +429,8 @@ class Runner:
                 " message without a taskId, in the same contextId, to start the conversation's next task"
             )
         if ahead is not None:
-            # Stored for the conversation, it would steer the run that holds the turn, not this task.
+            # Stored now, it would be taken by the first look of the run ahead, and dropped there
+            # as another task's steer: this task's run would never see it.
             raise UnsupportedOperation(
                 f"task {task_id!r} has not started: it waits while task {ahead.task.id!r} has its conversation's turn; "
                 "send this message again once the task is working, or send it to that task to steer it"
@@ -719,17 +735,26 @@ class Runner:
     @asynccontextmanager
     async def _taking_turn(self, live: LiveTask) -> AsyncIterator[None]:
         """The turn of the task's conversation: one task's run at a time, the others waiting."""
-        async with self.sessions.turn_lock(live.task.context_id):
-            live.in_turn = True
-            try:
-                yield
-            finally:
-                live.in_turn = False
-                live.turn_over = True
+        context_id = live.task.context_id
+        line = self._turns.setdefault(context_id, [])
+        line.append(live)  # in the step that queues for the lock, so the line keeps the lock's order
+        try:
+            async with self.sessions.turn_lock(context_id):
+                try:
+                    yield
+                finally:
+                    live.turn_over = True
+        finally:
+            line.remove(live)  # in the step that lets the lock go (or gives up waiting for it)
+            if not line:
+                del self._turns[context_id]
 
-    def _turn_holder(self, context_id: str) -> LiveTask | None:
-        """The task of this process whose run holds the conversation's turn, if one does."""
-        return next((live for live in self._live.values() if live.in_turn and live.task.context_id == context_id), None)
+    def _turn_ahead(self, live: LiveTask) -> LiveTask | None:
+        """The task of this process whose run has its conversation's turn, or is being handed
+        it, while ``live``'s run waits (or has not yet queued) for it; None if it is ``live``'s
+        turn, or no run holds or waits for it."""
+        line = self._turns.get(live.task.context_id)
+        return line[0] if line and line[0] is not live else None
 
     def _completed(self, live: LiveTask, output: str) -> Outcome:
         task = live.task

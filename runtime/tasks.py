@@ -222,7 +222,6 @@ class LiveTask:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk, or could not be written
     end_stored: bool = True  # False once the run's final state could not be written
-    in_turn: bool = False  # its run holds its conversation's turn (other tasks of it wait)
     turn_over: bool = False  # its run has let the turn go: it is ending (its end being written)
     steers: SteerGate = attrs.field(factory=SteerGate)  # where its run and the steers sent to it meet
     steered: bool = False  # steers may be stored for its run, which may end without taking them

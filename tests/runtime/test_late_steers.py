@@ -29,10 +29,11 @@ from tests.runtime.agent_support import Answer, ScriptedModel
 DEADLINE_S = 10.0
 
 
-def ask(text: str, *, task: Task | None = None) -> SendMessageParams:
-    message = Message(message_id=new_id(), role=Role.USER, parts=(TextPart(text),))
-    if task is not None:
-        message = Message(message_id=message.message_id, role=Role.USER, parts=message.parts, task_id=task.id)
+def ask(text: str, *, task: Task | None = None, context_id: str | None = None) -> SendMessageParams:
+    message = Message(
+        message_id=new_id(), role=Role.USER, parts=(TextPart(text),), task_id=None if task is None else task.id,
+        context_id=context_id,
+    )  # fmt: skip
     return SendMessageParams(message=message)
 
 
@@ -223,3 +224,62 @@ async def test_a_steer_its_task_never_took_is_not_kept_once_the_task_is_canceled
         "Which leases expired?", "also check staging"
     ]  # fmt: skip
     assert again.id == task.id and again.status.state is TaskState.CANCELED and len(again.history) == len(canceled.history)
+
+
+@attrs.define(eq=False)
+class TurnPassedSlowly:
+    """A session store whose conversation turn, the second time it is taken, is handed to the
+    run that took it only on ``release``: the moment a turn passes from one run to the next,
+    held open."""
+
+    store: SqliteSessionStore
+    handed: trio.Event = attrs.field(factory=trio.Event)
+    release: trio.Event = attrs.field(factory=trio.Event)
+    _taken: int = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    @asynccontextmanager
+    async def turn_lock(self, session_id: str) -> AsyncIterator[None]:
+        async with self.store.turn_lock(session_id):
+            self._taken += 1
+            if self._taken == 2:
+                self.handed.set()
+                await self.release.wait()
+            yield
+
+
+async def test_a_steer_to_a_task_waiting_its_turn_is_refused_while_the_turn_passes_to_the_task_ahead(tmp_path: Path) -> None:
+    # Nothing held the turn at that moment, so the steer used to be taken for the task it was
+    # sent to, and then dropped unseen by the first look of the run the turn went to: another
+    # task's steer, to its store.
+    answered = trio.Event()
+    model = ScriptedModel([Answer("Checkout fixed.", hold=answered), Answer("Cart fixed."), Answer("Payments fixed.")])
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_session_store(tmp_path / "runtime.db") as store,
+            open_task_store(tmp_path / "tasks.db") as tasks,
+            trio.open_nursery() as nursery,
+        ):
+            sessions = TurnPassedSlowly(store)
+            runner: Runner = await nursery.start(Runner(cast(SessionStore, sessions), tasks, model, AgentSpec()).run)
+            first = await runner.send(ANONYMOUS, ask("Fix checkout"))
+            await asked(model, 1)
+            second = await runner.send(ANONYMOUS, ask("Then fix the cart", context_id=first.context_id))
+            third = await runner.send(ANONYMOUS, ask("Then fix payments", context_id=first.context_id))
+            answered.set()
+            await sessions.handed.wait()  # the first run has let the turn go; the second's has not begun
+            with pytest.raises(UnsupportedOperation) as refused:
+                await runner.send(ANONYMOUS, ask("Only the mobile payments", task=third))
+            sessions.release.set()
+            done = await runner.wait_settled(ANONYMOUS, third.id)
+            runner.stop()
+    assert refused.value.message.startswith(
+        f"task {third.id!r} has not started: it waits while task {second.id!r} has its conversation's turn"
+    )
+    assert done.status.state is TaskState.COMPLETED
+    assert [part.text for m in done.history for part in m.parts if isinstance(part, TextPart)] == [
+        "Then fix payments", "Payments fixed."
+    ]  # fmt: skip
+    assert steers_left(tmp_path) == 0

@@ -3,7 +3,8 @@ over real HTTP and real SQLite, or the runner alone."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import attrs
 import pytest
@@ -11,9 +12,11 @@ import trio
 import trio.testing
 from fake_model import Reply
 
-from persistence.api import TaskRecord
+from persistence.api import SessionStore, TaskRecord
 from persistence.memory import MemorySessionStore, MemoryTaskStore
-from protocol import Message, Role, SendMessageParams, TaskNotCancelable, TaskState, TextPart
+from persistence.sessions import SqliteSessionStore, open_session_store
+from persistence.tasks import open_task_store
+from protocol import Message, Role, SendMessageParams, Task, TaskNotCancelable, TaskState, TextPart
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import decode, new_id
@@ -147,3 +150,63 @@ async def test_runs_cut_short_by_a_second_signal_say_the_server_shut_down(autoju
     assert ended.status.message is not None
     said = ended.status.message.parts[0].text  # type: ignore[union-attr]
     assert "the server shut down before it finished" in said, said
+
+
+@attrs.define(eq=False)
+class SteerHeld:
+    """A session store that stores a steer only once ``release`` is set: a steer in flight."""
+
+    store: SqliteSessionStore
+    entered: trio.Event = attrs.field(factory=trio.Event)
+    release: trio.Event = attrs.field(factory=trio.Event)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    async def add_steer(self, session_id: str, text: str, **options: Any) -> bool:
+        self.entered.set()
+        await self.release.wait()
+        return await self.store.add_steer(session_id, text, **options)
+
+
+async def test_a_steer_sent_again_without_its_task_id_while_it_is_still_being_taken_starts_nothing(
+    tmp_path: Path,
+) -> None:
+    # Each copy looked for the other's record before either was written: the steer went to its
+    # task, and the copy without the taskId started a task of its own with the same messageId.
+    answered = trio.Event()
+    model = ScriptedModel([
+        Answer("Rolled back.", hold=answered), Answer("Rolled back staging too."),
+        Answer("Rolled back staging."),  # for the task the copy must not start
+    ])  # fmt: skip
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    answers: dict[str, Task] = {}
+    with trio.fail_after(DEADLINE_S):
+        async with (
+            open_session_store(tmp_path / "runtime.db") as store,
+            open_task_store(tmp_path / "tasks.db") as tasks,
+            trio.open_nursery() as nursery,
+        ):
+            sessions = SteerHeld(store)
+            runner: Runner = await nursery.start(Runner(cast(SessionStore, sessions), tasks, model, AgentSpec()).run)
+            task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+            steer = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("and staging"),), task_id=task.id)
+            again = attrs.evolve(steer, task_id=None, context_id=task.context_id)
+
+            async def send(name: str, message: Message) -> None:
+                answers[name] = await runner.send(ANONYMOUS, SendMessageParams(message=message))
+
+            async with trio.open_nursery() as sending:
+                sending.start_soon(send, "steer", steer)
+                await sessions.entered.wait()
+                sending.start_soon(send, "again", again)
+                await trio.testing.wait_all_tasks_blocked()
+                sessions.release.set()
+            answered.set()
+            done = await runner.wait_settled(ANONYMOUS, task.id)
+            listed = await tasks.list(ANONYMOUS)
+            runner.stop()
+    assert answers["steer"].id == answers["again"].id == task.id
+    assert listed.total_size == 1, "the message started a task of its own"
+    assert [m.message_id for m in done.history].count(steer.message_id) == 1
+    assert done.status.state is TaskState.COMPLETED
