@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from protocol.errors import MISSING, InvalidParams
+from protocol.errors import MISSING, InvalidParams, clipped
 
 JsonObject = dict[str, Any]
 
@@ -135,7 +135,7 @@ class JsonReader:
         if number is None or not low_ok or (maximum is not None and number > maximum):
             raise InvalidParams(self.at(key), _int_expectation(minimum, maximum), got=found)
         if abs(number) > INT32_MAX:  # every integer A2A has is an int32
-            raise InvalidParams(self.at(key), problem=f"is {number}, more than an int32 holds (at most {INT32_MAX})")
+            raise InvalidParams(self.at(key), problem=f"is {clipped(str(number))}, more than an int32 holds (at most {INT32_MAX})")
         return number
 
     def opt_object(self, key: str) -> JsonObject | None:

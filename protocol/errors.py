@@ -46,6 +46,11 @@ def quoted(text: str) -> str:
     return _clip(repr(text), 80)
 
 
+def clipped(text: str) -> str:
+    """Words a client sent (a media type), as they are for a message: never the whole of long ones."""
+    return _clip(text, 80)
+
+
 def describe(value: object) -> str:
     """A short description of a JSON value for an error message; never the whole of a big one."""
     if value is MISSING:

@@ -10,7 +10,7 @@
 4. (the dataset step arrives with the incident agent);
 5. the session and task stores, migrated, with their group-commit writers in this nursery;
 6. the runner, which adopts what a dead process left running;
-7. the A2A surface on hypercorn; /healthz answers ready only from here on.
+7. the A2A surface on hypercorn (runtime.http_server); /healthz answers ready only from here on.
 
 Shutdown (``shutdown`` set, e.g. by SIGTERM): refuse new tasks and answer /healthz unready, give
 runs ``drain_timeout_s`` to finish, cancel the rest (each writes its terminal state), then close
@@ -34,7 +34,6 @@ from typing import Protocol
 
 import attrs
 import hypercorn
-import hypercorn.trio
 import trio
 from hypercorn.config import Sockets
 
@@ -45,6 +44,7 @@ from persistence.tasks import SqliteTaskStore
 from runtime.agent import AgentSpec, Model
 from runtime.agents import agent_card, app_version, default_agent
 from runtime.config import SESSIONS_FILE, TASKS_FILE, Config, preflight
+from runtime.http_server import OneLine, serve_http
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig
 from runtime.surface import Health, Readiness, SurfaceConfig, create_app
@@ -53,6 +53,7 @@ from runtime.surface.health import ModelCatalog
 logger = logging.getLogger(__name__)
 
 HTTP_GRACE_S = 2.0
+ONE_LINE = OneLine()
 
 
 @attrs.frozen
@@ -228,7 +229,7 @@ async def _serve_http(
 
     async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
         try:
-            await hypercorn.trio.serve(
+            await serve_http(
                 create_app(
                     runner=runner, card_for=agent_card, health=health, readiness=readiness,
                     config=SurfaceConfig(public_url=config.public_url),
@@ -346,7 +347,9 @@ def _http_config(config: Config) -> _HttpConfig:
     http.send_timeout_s = config.send_timeout_s
     http.bind = [f"{config.host}:{config.port}"]
     http.accesslog = None
-    http.errorlog = logging.getLogger("hypercorn.error")  # through our logging, printed once
+    errorlog = logging.getLogger("hypercorn.error")  # through our logging, printed once
+    errorlog.addFilter(ONE_LINE)  # a request hypercorn failed on is no traceback in the log
+    http.errorlog = errorlog
     # By the time HTTP closes every run has settled and its streams have had their last event;
     # what is left are short requests and idle keep-alive connections.
     http.graceful_timeout = HTTP_GRACE_S

@@ -39,6 +39,7 @@ from protocol import (
     TextPart,
     UnsupportedOperation,
 )
+from protocol.errors import clipped, quoted
 from runtime.agent import SteerGate
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def readable_text(message: Message) -> str:
     for index, part in enumerate(message.parts):
         if not isinstance(part, FilePart):
             continue
-        named = f" {part.filename!r}" if part.filename else ""
+        named = f" {quoted(part.filename)}" if part.filename else ""
         if _text_type(part):
             if part.raw is None:
                 raise UnsupportedOperation(
@@ -163,7 +164,7 @@ def readable_text(message: Message) -> str:
             media_type = part.media_type or "application/octet-stream"
             raise ContentTypeNotSupported(
                 media_type, INPUT_MODES,
-                problem=f"message.parts[{index}] is a file{named} ({media_type}), which this agent cannot read; "
+                problem=f"message.parts[{index}] is a file{named} ({clipped(media_type)}), which this agent cannot read; "
                 "it reads text and data parts: send what the file says as text",
             )  # fmt: skip
     text = message_text(message)

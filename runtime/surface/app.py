@@ -19,7 +19,8 @@ Routes::
     GET  /livez                          200 {"status":"alive"}, depending on nothing
     GET  /healthz                        200 {"status":"ready"} or 503 {"status":"unready","problems":[...]}
 
-Anything else is a plain HTTP 404 (or 405): an unrouted path is not the protocol. Handlers hold
+Anything else is a plain HTTP 404 (or 405): an unrouted path is not the protocol. A request over
+HTTP/2 is answered 505, whatever its path (see ``_http1_only``). Handlers hold
 the runner, never a nursery: a run lives in the runner's nursery, so a request that ends or a
 client that goes away ends only that request.
 """
@@ -57,6 +58,8 @@ class SurfaceConfig:
     rpc_path: str = attrs.field(default="/", validator=_absolute_path)
     """Where JSON-RPC is served; "/a2a" also answers at "/a2a/" and the other way round."""
     max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
+    body_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    """How long a request body may take to arrive whole."""
     keepalive_s: float = attrs.field(default=15.0, validator=attrs.validators.gt(0))
     """How long a stream may stay silent before it sends a keep-alive comment."""
     public_url: str | None = None
@@ -70,7 +73,8 @@ def create_app(
     """The app; building it starts nothing (hypercorn runs it, the runner is already running)."""
     app = QuartTrio(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    rpc = JsonRpcEndpoint(runner, ANONYMOUS, config.max_body_bytes, config.keepalive_s)
+    app.config["BODY_TIMEOUT"] = config.body_timeout_s
+    rpc = JsonRpcEndpoint(runner, ANONYMOUS, config.max_body_bytes, config.body_timeout_s, config.keepalive_s)
     for index, path in enumerate(_rpc_paths(config.rpc_path)):
         app.add_url_rule(path, f"jsonrpc{index}", rpc.handle, methods=["POST"], strict_slashes=False)
     app.add_url_rule(CARD_PATH, "agent_card", CardEndpoint(card_for, config.rpc_path, config.public_url).handle, methods=["GET"])
@@ -83,7 +87,7 @@ def create_app(
     app.before_request(refuse_until_ready)
     app.register_error_handler(HTTPException, _plain_http_error)
     app.register_error_handler(Exception, _internal_error)
-    app.asgi_app = _ending_uncancelled(app.asgi_app)  # type: ignore[method-assign]
+    app.asgi_app = _ending_uncancelled(_http1_only(app.asgi_app))  # type: ignore[method-assign]
     return app
 
 
@@ -115,6 +119,29 @@ def _ending_uncancelled(asgi_app: Asgi) -> Asgi:
                 await send(message)
 
         await asgi_app(scope, receive, send_ending_uncancelled)
+
+    return app
+
+
+HTTP2_REFUSED = b"505 HTTP Version Not Supported: this server speaks HTTP/1.1; send the request over HTTP/1.1\n"
+
+
+def _http1_only(asgi_app: Asgi) -> Asgi:
+    """The app, answering every request made over HTTP/2 with 505 and nothing else.
+
+    HTTP/2 has flow control of its own: a client that reads its socket but never opens its
+    window holds each answer in the server's memory for as long as it stays connected, where
+    AGENT_SEND_TIMEOUT_S cannot reach it (the kernel sees a socket that takes everything). Twenty
+    such connections asking a hundred times each for a task of 1 MB held 3.9 GB. A2A's JSON-RPC
+    binding needs no more than HTTP/1.1, and a 505 is small enough to go out in any window.
+    """
+
+    async def app(scope: Asgi, receive: Asgi, send: Asgi) -> None:
+        if scope["type"] == "http" and scope.get("http_version") == "2":
+            await send({"type": "http.response.start", "status": 505, "headers": [(b"content-type", b"text/plain; charset=utf-8")]})
+            await send({"type": "http.response.body", "body": HTTP2_REFUSED})
+            return
+        await asgi_app(scope, receive, send)
 
     return app
 

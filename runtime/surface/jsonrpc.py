@@ -4,8 +4,9 @@ Every JSON-RPC answer, error or not, travels with HTTP 200, as the reference ser
 (wire/err_*.resp.txt); the ``A2A-Version`` header (or query parameter) picks the version, and
 ``protocol.route`` applies the rule (absent means 0.3; a 1.0 method without it is -32009).
 A body refused before JSON-RPC is reached (over the size limit, declared as something other
-than JSON, or compressed) is answered the same way, -32600 with HTTP 200, not 413 or 415: A2A
-clients read the error from the body, and some take any other status for a transport failure.
+than JSON, compressed, or not whole within the time a body may take) is answered the same way,
+-32600 with HTTP 200, not 413, 415 or 408: A2A clients read the error from the body, and some
+take any other status for a transport failure.
 
 Protocol errors become error objects in the request's version. A store that fails (a full
 disk, say) is an outage: logged in one line, and answered -32603 saying so. Anything else is a
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 from quart import Response, request
-from werkzeug.exceptions import RequestEntityTooLarge
+from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
 from protocol import (
     METHODS,
@@ -102,6 +103,7 @@ class JsonRpcEndpoint:
     runner: Runner
     owner: str
     max_body_bytes: int
+    body_timeout_s: float
     keepalive_s: float
 
     async def handle(self) -> Response:
@@ -117,6 +119,9 @@ class JsonRpcEndpoint:
             body = await request.get_data(cache=False)
         except RequestEntityTooLarge:
             error = InvalidRequest(f"the body is larger than the limit of {self.max_body_bytes} bytes")
+            return _refusal(error_response(None, error, response_version(None, header)))
+        except RequestTimeout:
+            error = InvalidRequest(f"the body did not arrive whole within {self.body_timeout_s:g} s; send it at once")
             return _refusal(error_response(None, error, response_version(None, header)))
         try:
             call = parse_request(body)

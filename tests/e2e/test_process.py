@@ -31,6 +31,7 @@ from tests.e2e.harness import (
     rpc,
     serve_command,
     run_serve_to_exit,
+    started_keel,
     stored_task,
     stream,
     user_message,
@@ -620,3 +621,29 @@ async def test_serve_keeps_serving_when_its_standard_output_cannot_be_written(tm
         assert await process.wait() == 0, said.decode()
     assert "Traceback" not in said.decode()
     assert not [line for line in said.decode().splitlines() if line.startswith("error:")]
+
+
+async def test_a_server_out_of_file_descriptors_says_so_in_one_line_and_serves_again_once_some_close(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    limited = ["sh", "-c", 'ulimit -n 64 && exec "$@"', "sh", *serve_command(tmp_path / "state", fake_model.base_url)]
+    async with started_keel(limited) as keel, httpx.AsyncClient(timeout=30) as client:
+        address = urlsplit(keel.url)
+        assert address.hostname is not None and address.port is not None
+        held: list[trio.SocketStream] = []
+        try:
+            with trio.fail_after(STARTUP_DEADLINE_S):
+                # Each one it takes holds a descriptor: past 64 in all, accept fails. The rest wait
+                # in the listen queue, which is never filled, so the next client is queued at once.
+                for _ in range(60):
+                    held.append(await trio.open_tcp_stream(address.hostname, address.port))
+                while b"cannot accept connections" not in keel.output:
+                    await trio.sleep(0.01)  # polling the output against the deadline
+        finally:
+            for stream in held:
+                await stream.aclose()
+        assert (await client.get(keel.url + "livez")).json() == {"status": "alive"}
+        assert await keel.terminate() == 0
+    output = keel.output.decode()
+    assert output.count("cannot accept connections") == 1, output
+    assert "as many files open as its limit allows (64: ulimit -n)" in output and "Traceback" not in output

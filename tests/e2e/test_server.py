@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import sqlite3
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import attrs
 import httpx
-import hypercorn.trio
 import pytest
 import trio
 import trio.testing
@@ -28,6 +30,7 @@ from runtime.tasks import decode
 from tests.e2e.harness import rpc, stored_task, user_message
 from tests.e2e.served_server import running_server
 from tests.runtime.agent_support import Answer, ScriptedStream
+from tests.runtime.http2 import Http2Client
 from tests.runtime.served import DEADLINE_S, GATE_CALL, Gate
 from tests.runtime.test_turns import left_by_a_dead_process
 
@@ -166,11 +169,11 @@ async def test_a_start_given_up_while_http_starts_leaves_the_tasks_it_took_up_as
 
     http_starting = trio.Event()
 
-    async def still_starting(*_args: object, **_kwargs: object) -> None:  # hypercorn, not yet serving
+    async def still_starting(*_args: object, **_kwargs: object) -> None:  # HTTP, not yet serving
         http_starting.set()
         await trio.sleep_forever()
 
-    monkeypatch.setattr(hypercorn.trio, "serve", still_starting)
+    monkeypatch.setattr(runtime.server, "serve_http", still_starting)
     model = HeldModel()
     config = attrs.evolve(Config(), port=0, state_dir=state)
     with trio.CancelScope() as start:  # what serve_cli cancels on a signal before the server serves
@@ -185,3 +188,65 @@ async def test_a_start_given_up_while_http_starts_leaves_the_tasks_it_took_up_as
     async with open_task_store(state / "tasks.db") as tasks:
         states = [decode(await tasks.get(ANONYMOUS, task_id)).status.state for task_id in (first, second)]
     assert states == [TaskState.WORKING, TaskState.WORKING]
+
+
+# Bytes after a WebSocket upgrade request make hypercorn 0.18 raise from its own protocol code
+# (h11's LocalProtocolError); data on an HTTP/2 stream it has answered, a KeyError. Either once
+# ended the whole server.
+WEBSOCKET_UPGRADE_THEN_A_BYTE = (
+    b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: bKdPyn3u98cTfZJSh4TNeQ==\r\n\r\nx\n"
+)
+
+
+async def send_bytes_after_a_websocket_upgrade_request(host: str, port: int) -> None:
+    async with await trio.open_tcp_stream(host, port) as stream:
+        await stream.send_all(WEBSOCKET_UPGRADE_THEN_A_BYTE)
+        with trio.fail_after(DEADLINE_S):
+            while await stream.receive_some():
+                pass
+
+
+async def send_data_on_an_http2_stream_already_answered(host: str, port: int) -> None:
+    client = await Http2Client.open(host, port)
+    try:
+        asked = await client.request("/", {"content-type": "text/plain"}, b"{", end=False)  # refused unread
+        await client.answer(asked)
+        await client.send_data(asked, b"}")
+        await client.wait_closed()
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("send", [send_bytes_after_a_websocket_upgrade_request, send_data_on_an_http2_stream_already_answered])
+async def test_a_request_the_http_layer_fails_on_closes_its_connection_and_every_other_client_is_served(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture, send: Callable[[str, int], Awaitable[None]]
+) -> None:
+    fake_model.default = Reply(text="still here")
+    async with httpx.AsyncClient(timeout=30) as client, running_server(tmp_path / "state", fake_model.base_url) as server:
+        address = urlsplit(server.url)
+        assert address.hostname is not None and address.port is not None
+        await send(address.hostname, address.port)
+        assert (await client.get(server.url + "livez")).json() == {"status": "alive"}
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("are you there?")})
+        assert sent["result"]["task"]["status"]["message"]["parts"] == [{"text": "still here"}]
+    closed = [record.getMessage() for record in caplog.records if record.name == "runtime.http_server"]
+    assert len(closed) == 1 and closed[0].startswith("closed the connection from 127.0.0.1:"), closed
+    assert all(record.exc_info is None for record in caplog.records), "a traceback in the log"
+
+
+async def test_a_connection_its_client_has_closed_is_let_go_at_once_not_after_the_keep_alive_timer(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # Each one held a file descriptor for hypercorn's keep-alive timeout (5 s) after the client had
+    # gone: a client opening and closing 200 connections a second starved a server of 1024.
+    async with running_server(tmp_path / "state", fake_model.base_url) as server:
+        address = urlsplit(server.url)
+        assert address.hostname is not None and address.port is not None
+        open_files = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            stream = await trio.open_tcp_stream(address.hostname, address.port)
+            await stream.aclose()
+        with trio.fail_after(2):  # well within the 5 s the server used to hold them
+            while len(os.listdir("/proc/self/fd")) > open_files:
+                await trio.sleep(0.01)  # polling against the deadline

@@ -188,6 +188,7 @@ def test_task_query_params_keep_history_length_presence() -> None:
         ({"id": "t", "historyLength": "1.5e0"}, "'historyLength' must be a non-negative integer, got string '1.5e0'"),
         ({"id": "t", "historyLength": "1e999"}, "'historyLength' must be a non-negative integer, got string '1e999'"),
         ({"id": "t", "historyLength": 2**40}, "'historyLength' is 1099511627776, more than an int32 holds (at most 2147483647)"),
+        ({"id": "t", "historyLength": 10**400}, f"'historyLength' is 1{'0' * 76}..., more than an int32 holds (at most 2147483647)"),
     ],
 )
 def test_task_query_params_bad_fields_are_named(params: Any, message: str) -> None:

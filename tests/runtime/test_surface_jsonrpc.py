@@ -20,10 +20,11 @@ import trio
 import trio.testing
 from fake_model import ErrorReply, FakeModel, Reply
 
-from protocol import MAX_ID_CHARS
+from protocol import MAX_ID_CHARS, MAX_PARTS
 from protocol.jsonrpc import MAX_DEPTH
 from runtime.runner import ANONYMOUS, Runner
 from runtime.surface import SurfaceConfig
+from tests.runtime.http2 import Http2Client
 from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, fill_tasks_disk, free_tasks_disk, message, serve_keel
 
 V1 = "1.0"
@@ -1225,3 +1226,53 @@ async def test_a_history_length_that_is_no_integer_is_invalid_params_not_an_inte
 async def test_a_version_header_of_more_digits_than_any_version_has_is_refused_as_unsupported(keel: Served) -> None:
     error = await keel.error("GetTask", {"id": "t"}, version="1" * 5000 + ".0")
     assert error["code"] == -32009 and "is not supported" in error["message"]
+
+
+async def test_a_body_that_has_not_arrived_whole_in_time_is_refused_with_a_json_rpc_error(fake_model: FakeModel, tmp_path: Path) -> None:
+    head = b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nA2A-Version: 1.0\r\nContent-Length: 100\r\n\r\n"
+    async with serve_keel(tmp_path / "state", fake_model, surface=SurfaceConfig(body_timeout_s=0.2)) as keel:
+        raw = await keel.exchange_raw(head + b'{"jsonrpc": "2.0", "id": 1, "meth')  # and then nothing more
+    status, _, rest = raw.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status == b"HTTP/1.1 200 "  # A2A clients read the error from the body
+    assert b"connection: close" in headers.lower()
+    error = json.loads(body)["error"]
+    check_error(error, -32600, V1, "INVALID_REQUEST")
+    assert "the body did not arrive whole within 0.2 s" in error["message"]
+
+
+async def test_a_request_over_http2_is_answered_505_and_nothing_else(keel: Served) -> None:
+    # HTTP/2's flow control lets a client that never opens its window keep each answer in the
+    # server's memory; nothing is answered over it, so no answer can be held that way.
+    task = await keel.send("hello")
+    address = urlsplit(keel.url)
+    assert address.hostname is not None and address.port is not None
+    client = await Http2Client.open(address.hostname, address.port)
+    try:
+        body = json.dumps(keel.body("GetTask", {"id": task["id"]})).encode()
+        asked = await client.request("/", {"content-type": "application/json", "a2a-version": "1.0"}, body)
+        assert await client.answer(asked) == (505, b"505 HTTP Version Not Supported: this server speaks HTTP/1.1; send the request over HTTP/1.1\n")
+    finally:
+        await client.aclose()
+
+
+async def test_a_file_of_a_long_type_the_agent_cannot_read_is_named_in_a_short_message(keel: Served) -> None:
+    long_type = "application/" + "x" * 100_000
+    file = {"raw": "UmVwb3J0", "filename": "r" * 100_000, "mediaType": long_type}
+    error = await keel.error("SendMessage", {"message": {**message(""), "parts": [file]}})
+    check_error(error, -32005, V1, "CONTENT_TYPE_NOT_SUPPORTED")
+    assert error["message"].startswith("message.parts[0] is a file 'rrrr") and len(error["message"]) < 400, error["message"][:400]
+
+
+async def test_a_message_of_more_parts_than_the_limit_is_refused_naming_the_count_and_nothing_is_stored(keel: Served) -> None:
+    # Each part is read, checked, stored and sent on one by one: 85,000 of them in a body under
+    # the size limit held the server's event loop for about 1.8 s.
+    crowded = {**message("", V1), "parts": [{"text": "a"}] * (MAX_PARTS + 1)}
+    error = await keel.error("SendMessage", {"message": crowded})
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert error["message"] == f"invalid params: 'message.parts' are {MAX_PARTS + 1}; a message may have at most {MAX_PARTS}: send their text as fewer parts"
+    assert keel.model.bodies == []
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 0
+    keel.model.default = Reply(text="read them all")
+    full = {**message("", V1), "parts": [{"text": "a"}] * MAX_PARTS}
+    assert (await keel.result("SendMessage", {"message": full}))["task"]["status"]["state"] == "TASK_STATE_COMPLETED"

@@ -1,0 +1,175 @@
+"""The HTTP server under the A2A surface: hypercorn's protocol code, on an accept loop of our own.
+
+``hypercorn.trio.serve`` runs every connection in one nursery with the listeners, so a connection
+whose handling raises ends the whole server. Hypercorn 0.18's protocol code does raise on some
+requests any client can send: a WebSocket upgrade request with bytes after it (h11's
+LocalProtocolError), data on an HTTP/2 stream already answered (a KeyError). Here such a
+connection is closed and logged in one line; every other connection goes on.
+
+What hypercorn logs with a traceback (a request its own code failed on, such as the WebSocket
+one above) goes to the log in one line (``OneLine``).
+
+A connection the client has closed is let go at once, not when hypercorn's keep-alive timer ends
+(``_Connection``).
+
+When accept(2) fails for want of file descriptors (or memory), ``trio.serve_listeners`` logs a
+traceback every 0.1 s until it succeeds; here it is one line a minute at most, naming the limit.
+The connections waiting meanwhile stay in the listen queue, and are taken once descriptors free up.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import resource
+from collections.abc import Awaitable, Callable
+
+import hypercorn
+import trio
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import AppWrapper, ConnectionState, Framework, LifespanState
+from hypercorn.utils import repr_socket_addr, wrap_app
+
+logger = logging.getLogger(__name__)
+
+ACCEPT_RETRY_S = 0.1
+STARVED_LOG_EVERY_S = 60.0
+# What accept(2) answers when the process or the system is out of what a connection needs.
+_STARVED = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+async def serve_http(
+    app: Framework,
+    config: hypercorn.Config,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on ``config``'s plain-TCP sockets until ``shutdown_trigger`` returns, then
+    give the connections ``config.graceful_timeout`` to finish; reports the URLs it serves at.
+
+    Blocks until every connection has closed. Cancelled, the connections are cut at once. Raises
+    what the app's lifespan raises; never what one connection raises.
+    """
+    asgi = wrap_app(app, config.wsgi_max_body_size, None)
+    lifespan_state: LifespanState = {}
+    lifespan = Lifespan(asgi, config, lifespan_state)
+    context = WorkerContext(None)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as connections:
+            sockets = config.create_sockets().insecure_sockets
+            for sock in sockets:
+                sock.listen(config.backlog)  # again for sockets taken earlier: it only sets the backlog
+            binds = [f"http://{repr_socket_addr(sock.family, sock.getsockname())}" for sock in sockets]
+            for bind in binds:
+                await config.log.info(f"Running on {bind} (CTRL + C to quit)")
+            handler = functools.partial(_serve_connection, asgi, config, context, ConnectionState(lifespan_state.copy()))
+            try:
+                async with trio.open_nursery() as accepting:
+                    for sock in sockets:
+                        accepting.start_soon(_accept, trio.SocketListener(trio.socket.from_stdlib_socket(sock)), connections, handler)
+                    task_status.started(binds)
+                    await shutdown_trigger()
+                    accepting.cancel_scope.cancel()
+            finally:
+                await context.terminated.set()  # keep-alive connections close after their request
+                connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
+
+
+async def _accept(
+    listener: trio.SocketListener, connections: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
+) -> None:
+    starved_logged_at = -STARVED_LOG_EVERY_S
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in _STARVED:
+                    raise
+                if trio.current_time() - starved_logged_at >= STARVED_LOG_EVERY_S:
+                    starved_logged_at = trio.current_time()
+                    logger.warning(
+                        "cannot accept connections: %s; they wait in the listen queue until some close."
+                        " Raise the limit, or find what holds so many connections (said at most once a minute)",
+                        _starved_reason(exc.errno or 0),
+                    )
+                await trio.sleep(ACCEPT_RETRY_S)
+            else:
+                connections.start_soon(handler, stream)
+
+
+def _starved_reason(code: int) -> str:
+    if code == errno.EMFILE:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return f"this process has as many files open as its limit allows ({soft}: ulimit -n)"
+    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+
+
+async def _serve_connection(
+    app: AppWrapper,
+    config: hypercorn.Config,
+    context: WorkerContext,
+    state: ConnectionState,
+    stream: trio.SocketStream,
+) -> None:
+    """One connection, as hypercorn serves it; a failure in hypercorn's handling of it closes it."""
+    try:
+        peer = repr_socket_addr(stream.socket.family, stream.socket.getpeername())
+    except OSError:  # the client has gone already
+        peer = "a client"
+    try:
+        # Typed for TLS streams; hypercorn's own serve hands it plain ones too, as here.
+        await _Connection(app, config, context, state, stream)  # type: ignore[arg-type]
+    except* Exception as failed:
+        logger.warning("closed the connection from %s: the HTTP server failed on what it sent (%s)", peer, _reasons(failed))
+        logger.debug("how the HTTP server failed", exc_info=failed)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection, let go as soon as the client has closed it.
+
+    hypercorn's own waits out its keep-alive timer (5 s) after the client has gone, holding a file
+    descriptor all along: 500 connections opened and closed at once held 500 descriptors for 5 s,
+    so a client opening and closing 200 a second would hold 1000, all a common limit of 1024
+    leaves. Once the client has closed (or the read failed), every request still in flight has
+    been told it is over, and nothing the timer would do is left to do.
+    """
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+class OneLine(logging.Filter):
+    """Puts a record logged with a traceback on one line: its message, then what was raised."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is not None and record.exc_info[1] is not None:
+            record.msg = f"{record.getMessage()} ({_reasons(record.exc_info[1])})"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _reasons(exc: BaseException) -> str:
+    """What was raised, type and message, without the cancellations it caused."""
+    leaves = [leaf for leaf in _leaves(exc) if not isinstance(leaf, trio.Cancelled)]
+    return "; ".join(dict.fromkeys(f"{type(leaf).__name__}: {leaf}" for leaf in leaves)) or type(exc).__name__
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if not isinstance(exc, BaseExceptionGroup):
+        return [exc]
+    return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
