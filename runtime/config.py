@@ -13,7 +13,6 @@ from __future__ import annotations
 import difflib
 import errno
 import ipaddress
-import os
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path

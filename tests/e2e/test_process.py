@@ -527,18 +527,33 @@ def blocked_on_a_lock(pid: int) -> bool:
     return any(line.split()[1] == "->" and line.split()[5] == str(pid) for line in Path("/proc/locks").read_text().splitlines())
 
 
-async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal(
-    tmp_path: Path, fake_model: FakeModel
-) -> None:
-    # A snapshot or a restore holds the state directory's generation lock; serve waits its turn.
-    state = tmp_path / "state"
+@asynccontextmanager
+async def serve_kept_waiting(state: Path, model: FakeModel) -> AsyncIterator[trio.Process]:
+    """serve started on ``state`` while its generation lock is held, as a snapshot or a restore
+    holds it: it waits its turn, and does not serve while the block lasts. Its output is piped."""
     state.mkdir()
     holder = os.open(state / GENERATION_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
         process = await trio.lowlevel.open_process(
-            serve_command(state, fake_model.base_url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+            serve_command(state, model.base_url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
         )
+        try:
+            yield process
+        finally:
+            if process.returncode is None:  # a test that failed midway: it must not serve once let go
+                process.kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+    finally:
+        os.close(holder)
+
+
+async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    state = tmp_path / "state"
+    async with serve_kept_waiting(state, fake_model) as process:
         with trio.fail_after(STARTUP_DEADLINE_S):
             while not blocked_on_a_lock(process.pid):
                 await trio.sleep(0.01)
@@ -548,8 +563,6 @@ async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal
         said = (await process.stdout.receive_some(65536)).decode()
         assert "keel serving" not in said and "Traceback" not in said
         assert f"waiting for another process (a snapshot, a restore, or a server starting) to let go of {state / GENERATION_LOCK_NAME}" in said
-    finally:
-        os.close(holder)
 
 
 def has_loaded(pid: int, library: str) -> bool:
@@ -570,14 +583,7 @@ async def test_a_signal_while_serve_loads_its_modules_ends_the_start_as_one_a_mo
 ) -> None:
     # A Ctrl-C in serve's first second ended in a KeyboardInterrupt traceback, and a SIGTERM
     # killed it without a word. The generation lock, held, keeps it from serving meanwhile.
-    state = tmp_path / "state"
-    state.mkdir()
-    holder = os.open(state / GENERATION_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(holder, fcntl.LOCK_EX)
-        process = await trio.lowlevel.open_process(
-            serve_command(state, fake_model.base_url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
-        )
+    async with serve_kept_waiting(tmp_path / "state", fake_model) as process:
         with trio.fail_after(STARTUP_DEADLINE_S):
             while not has_loaded(process.pid, loading):
                 await trio.sleep(0.002)  # polling against a deadline: the library is mapped within a second
@@ -587,8 +593,6 @@ async def test_a_signal_while_serve_loads_its_modules_ends_the_start_as_one_a_mo
             async for chunk in process.stdout:
                 said += chunk
             returncode = await process.wait()
-    finally:
-        os.close(holder)
     assert returncode == 0, said.decode()
     assert "Traceback" not in said.decode() and "keel serving" not in said.decode()
     assert f"{sig.name} before the server was serving: not starting" in said.decode()

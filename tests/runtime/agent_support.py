@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import collections
 import sqlite3
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from contextlib import closing
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import attrs
 import trio
 from fake_model import FakeModel
 
+from persistence.api import SessionStore
 from persistence.session import Session
-from persistence.sessions import open_session_store
+from persistence.sessions import SqliteSessionStore, open_session_store
+from persistence.tasks import SqliteTaskStore, open_task_store
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentEvent, AgentRun, AgentSpec, Tool
 from runtime.models import ChatRequest, Completion, Delta, Finish, ModelConfig, TextDelta, Usage, open_model_client
+from runtime.runner import Runner
 
 DEADLINE_S = 10.0  # generous: every wait in these tests is on loopback or in memory
 PROMPTLY_S = 1.0  # how soon a cancelled run must have exited (the benchmark measures the real figure)
@@ -33,6 +36,27 @@ LOOKUP_SCHEMA = {
     "required": ["service"],
     "additionalProperties": False,
 }
+
+
+S = TypeVar("S")
+
+
+@asynccontextmanager
+async def runner_over_files(
+    state: Path, model: Any, wrap: Callable[[SqliteSessionStore], S], agent: AgentSpec = AgentSpec()
+) -> AsyncIterator[tuple[Runner, S, SqliteTaskStore]]:
+    """A runner over ``runtime.db`` and ``tasks.db`` in ``state`` and ``model``, its session
+    store seen through ``wrap`` (a test's store that holds a step open, say); stopped when the
+    block is left."""
+    async with (
+        open_session_store(state / "runtime.db") as store,
+        open_task_store(state / "tasks.db") as tasks,
+        trio.open_nursery() as nursery,
+    ):
+        sessions = wrap(store)
+        runner: Runner = await nursery.start(Runner(cast(SessionStore, sessions), tasks, model, agent).run)
+        yield runner, sessions, tasks
+        runner.stop()
 
 
 def config_for(server: FakeModel) -> ModelConfig:

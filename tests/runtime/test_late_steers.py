@@ -8,23 +8,22 @@ import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import attrs
 import pytest
 import trio
 import trio.testing
 
-from persistence.api import SessionStore, TaskRecord
+from persistence.api import TaskRecord
 from persistence.memory import MemorySessionStore, MemoryTaskStore
-from persistence.sessions import SqliteSessionStore, open_session_store
-from persistence.tasks import open_task_store
+from persistence.sessions import SqliteSessionStore
 from persistence.transcript import Message as Transcribed
 from protocol import Message, Role, SendMessageParams, Task, TaskState, TextPart, UnsupportedOperation
 from runtime.agent import STEER_LABEL, AgentSpec
 from runtime.runner import ANONYMOUS, Runner
 from runtime.tasks import decode, new_id
-from tests.runtime.agent_support import Answer, ScriptedModel
+from tests.runtime.agent_support import Answer, ScriptedModel, runner_over_files
 
 DEADLINE_S = 10.0
 
@@ -39,14 +38,8 @@ def ask(text: str, *, task: Task | None = None, context_id: str | None = None) -
 
 @asynccontextmanager
 async def runner_over(state: Path, model: ScriptedModel, agent: AgentSpec) -> AsyncIterator[Runner]:
-    async with (
-        open_session_store(state / "runtime.db") as sessions,
-        open_task_store(state / "tasks.db") as tasks,
-        trio.open_nursery() as nursery,
-    ):
-        runner: Runner = await nursery.start(Runner(sessions, tasks, model, agent).run)
+    async with runner_over_files(state, model, lambda store: store, agent) as (runner, _, _):
         yield runner
-        runner.stop()
 
 
 async def asked(model: ScriptedModel, requests: int) -> None:
@@ -129,13 +122,7 @@ async def test_a_steer_sent_during_the_runs_last_look_is_refused_not_left_untake
     model = ScriptedModel([Answer("The lease expired.")])
     said: list[str] = []
     with trio.fail_after(DEADLINE_S):
-        async with (
-            open_session_store(tmp_path / "runtime.db") as store,
-            open_task_store(tmp_path / "tasks.db") as tasks,
-            trio.open_nursery() as nursery,
-        ):
-            sessions = LastLookHeld(store)
-            runner: Runner = await nursery.start(Runner(cast(SessionStore, sessions), tasks, model, AgentSpec()).run)
+        async with runner_over_files(tmp_path, model, LastLookHeld) as (runner, sessions, _), trio.open_nursery() as nursery:
             task = await runner.send(ANONYMOUS, ask("Which leases expired?"))
             await sessions.entered.wait()  # the look has taken what was there: nothing
 
@@ -150,7 +137,6 @@ async def test_a_steer_sent_during_the_runs_last_look_is_refused_not_left_untake
             await trio.testing.wait_all_tasks_blocked()
             sessions.release.set()
             done = await runner.wait_settled(ANONYMOUS, task.id)
-            runner.stop()
     assert len(said) == 1 and said[0].startswith(f"task {task.id!r} takes no more messages: its run is giving")
     assert done.status.state is TaskState.COMPLETED and len(done.history) == 2
     assert steers_left(tmp_path) == 0
@@ -257,13 +243,7 @@ async def test_a_steer_to_a_task_waiting_its_turn_is_refused_while_the_turn_pass
     answered = trio.Event()
     model = ScriptedModel([Answer("Checkout fixed.", hold=answered), Answer("Cart fixed."), Answer("Payments fixed.")])
     with trio.fail_after(DEADLINE_S):
-        async with (
-            open_session_store(tmp_path / "runtime.db") as store,
-            open_task_store(tmp_path / "tasks.db") as tasks,
-            trio.open_nursery() as nursery,
-        ):
-            sessions = TurnPassedSlowly(store)
-            runner: Runner = await nursery.start(Runner(cast(SessionStore, sessions), tasks, model, AgentSpec()).run)
+        async with runner_over_files(tmp_path, model, TurnPassedSlowly) as (runner, sessions, _):
             first = await runner.send(ANONYMOUS, ask("Fix checkout"))
             await asked(model, 1)
             second = await runner.send(ANONYMOUS, ask("Then fix the cart", context_id=first.context_id))
@@ -274,7 +254,6 @@ async def test_a_steer_to_a_task_waiting_its_turn_is_refused_while_the_turn_pass
                 await runner.send(ANONYMOUS, ask("Only the mobile payments", task=third))
             sessions.release.set()
             done = await runner.wait_settled(ANONYMOUS, third.id)
-            runner.stop()
     assert refused.value.message.startswith(
         f"task {third.id!r} has not started: it waits while task {second.id!r} has its conversation's turn"
     )

@@ -4,7 +4,7 @@ over real HTTP and real SQLite, or the runner alone."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import attrs
 import pytest
@@ -12,15 +12,14 @@ import trio
 import trio.testing
 from fake_model import Reply
 
-from persistence.api import SessionStore, TaskRecord
+from persistence.api import TaskRecord
 from persistence.memory import MemorySessionStore, MemoryTaskStore
-from persistence.sessions import SqliteSessionStore, open_session_store
-from persistence.tasks import open_task_store
+from persistence.sessions import SqliteSessionStore
 from protocol import Message, Role, SendMessageParams, Task, TaskNotCancelable, TaskState, TextPart
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import decode, new_id
-from tests.runtime.agent_support import Answer, ScriptedModel
+from tests.runtime.agent_support import Answer, ScriptedModel, runner_over_files
 from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, fill_tasks_disk, free_tasks_disk, message
 
 V1 = "1.0"
@@ -182,13 +181,7 @@ async def test_a_steer_sent_again_without_its_task_id_while_it_is_still_being_ta
     question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
     answers: dict[str, Task] = {}
     with trio.fail_after(DEADLINE_S):
-        async with (
-            open_session_store(tmp_path / "runtime.db") as store,
-            open_task_store(tmp_path / "tasks.db") as tasks,
-            trio.open_nursery() as nursery,
-        ):
-            sessions = SteerHeld(store)
-            runner: Runner = await nursery.start(Runner(cast(SessionStore, sessions), tasks, model, AgentSpec()).run)
+        async with runner_over_files(tmp_path, model, SteerHeld) as (runner, sessions, tasks):
             task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
             steer = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("and staging"),), task_id=task.id)
             again = attrs.evolve(steer, task_id=None, context_id=task.context_id)
@@ -205,7 +198,6 @@ async def test_a_steer_sent_again_without_its_task_id_while_it_is_still_being_ta
             answered.set()
             done = await runner.wait_settled(ANONYMOUS, task.id)
             listed = await tasks.list(ANONYMOUS)
-            runner.stop()
     assert answers["steer"].id == answers["again"].id == task.id
     assert listed.total_size == 1, "the message started a task of its own"
     assert [m.message_id for m in done.history].count(steer.message_id) == 1
