@@ -232,6 +232,9 @@ _NO_PATH_HINT = (
 # A redirect is not followed (a POST would be sent again as a GET, a key to another host):
 # the base URL is to say where the server is.
 _REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
+# A body of text/html: a proxy's or a login page's, not the API's.
+WEB_PAGE = "the server answered with a web page (text/html)"
+
 
 @attrs.define(eq=False)
 class ModelClient:
@@ -429,7 +432,9 @@ class ModelClient:
             return json.loads(raw)
         except (ValueError, RecursionError) as exc:
             detail = self._scrub_cut(raw[:SAID_CHARS].decode("utf-8", "replace"))
-            raise ModelBadResponse(model, "the body is not JSON", detail=detail) from exc
+            media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+            reason = WEB_PAGE + ", not JSON" if media == "text/html" else "the body is not JSON"  # a proxy's error page, say
+            raise ModelBadResponse(model, reason, detail=detail) from exc
 
     def _broken_answer(self, exc: httpx.RequestError, *, started: bool) -> ModelError:
         """The error for a failure after the server answered 2xx: never retried. ``started``:
@@ -590,7 +595,7 @@ class ChatStream:
         media = self._response.headers.get("content-type", "").split(";")[0].strip().lower()
         if media == "text/html":  # a proxy's error page, say: not a stream that ended early
             detail = await self._client._body_start(self._response)
-            reason = "the server answered with a web page (text/html), not an event stream or JSON"
+            reason = WEB_PAGE + ", not an event stream or JSON"
             raise ModelBadResponse(self._client.config.model, reason, detail=detail, status=self._response.status_code)
         if media == "application/json":
             # A server (or a proxy in front of it) that does not stream answers in one body.

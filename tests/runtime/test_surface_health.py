@@ -167,9 +167,10 @@ async def test_healthz_says_the_api_key_was_refused_in_the_words_a_failed_task_u
     [
         (b"HTTP/1.1 503 Busy\r\ncontent-length: 33\r\n\r\nGPU 0 out of memory at 0x7f3a2b10", "the server answered HTTP 503"),
         (b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n", "the model or the endpoint does not exist on the server (HTTP 404)"),
-        (b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 15\r\n\r\n<html>hi</html>", "the body is not JSON"),
+        (b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 15\r\n\r\n<html>hi</html>", "the server answered with a web page (text/html), not JSON"),
+        (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n<html>hi</html>", "the body is not JSON"),
     ],
-    ids=["a server error", "a refusal", "not JSON"],
+    ids=["a server error", "a refusal", "a web page", "not JSON"],
 )
 async def test_healthz_says_in_plain_words_what_the_model_server_answered(
     fake_model: FakeModel, tmp_path: Path, nursery: trio.Nursery, answer: bytes, said: str
@@ -184,7 +185,7 @@ async def test_healthz_says_in_plain_words_what_the_model_server_answered(
     url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1"
     problems = await model_problems(fake_model, tmp_path, ModelConfig(base_url=url, max_retries=0))
     assert problems == [f"model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct': {said}"]
-    assert "GPU" not in problems[0] and "html" not in problems[0]
+    assert "GPU" not in problems[0] and "<html>" not in problems[0]
 
 
 class StuckCatalog:
