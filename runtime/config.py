@@ -110,17 +110,6 @@ def _url(text: str) -> str:
     return text.rstrip("/")
 
 
-_HELD = 0xE000  # see _shown_url: a private-use character, which no URL parser drops
-
-
-def _shown_url(text: str) -> str:
-    """``text`` as without_credentials shows it, but with what a URL parser drops (control
-    characters and spaces at either end, a tab or a newline within) kept where it was, so that
-    a problem with one shows it. Each stands in the meantime as a private-use character."""
-    held = "".join(chr(_HELD + ord(c)) if c <= " " else c for c in text)
-    return "".join(chr(ord(c) - _HELD) if _HELD <= ord(c) <= _HELD + 0x20 else c for c in without_credentials(held))
-
-
 def _public_url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or parts.username:
@@ -133,9 +122,7 @@ def _public_url(text: str) -> str:
 def _state_dir(text: str) -> Path:
     """A directory this user can write in, or one it can create (nothing is created here). Said
     in the words serve and the state commands use for a state directory they cannot use."""
-    path = Path(_bare(text))
-    if text.startswith("~"):  # no shell expanded it (a service manager's environment, say)
-        raise ValueError(UNEXPANDED_HOME)
+    path = directory_given(text)
     try:
         return _writable_dir(path)
     except OSError as exc:  # a parent this user may not search, a name too long...
@@ -194,14 +181,12 @@ def os_error_text(exc: OSError) -> str:
 
 
 def _can_listen_on(host: str) -> None:
-    """Bind a socket to the host as serve's HTTP server binds it (brackets dropped; IPv6 when it
-    holds a colon), on a port the system picks: a name that does not resolve, or an address that
-    is not this machine's, fails here as it would there. The port is serve's to try: another
-    process may hold it now (a server this one is to replace) and not then."""
-    bare = host.replace("[", "").replace("]", "")
+    """Bind a socket to the host as serve's HTTP server binds it, on a port the system picks: a
+    name that does not resolve, or an address that is not this machine's, fails here as it
+    would there. The port is serve's to try: another process may hold it now (a server this one
+    is to replace) and not then."""
     try:
-        with socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((bare, 0))
+        _bind(host, 0)
     except OSError as exc:  # socket.gaierror included: a name that does not resolve
         raise ValueError(f"serve could not listen on it ({exc.strerror or exc})") from None
 
@@ -212,17 +197,23 @@ def _may_listen_at(host: str, port: int) -> None:
     may be a server this one is to replace, gone by the time serve starts."""
     if port == 0:
         return
-    bare = host.replace("[", "").replace("]", "")
     try:
-        with socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as serve's HTTP server binds
-            sock.bind((bare, port))
+        _bind(host, port)
     except OSError as exc:
         if exc.errno == errno.EACCES:
             raise ValueError(
                 f"serve could not listen on it ({exc.strerror}; ports below 1024 need privileges): choose another"
                 " port, or give the server the privilege (CAP_NET_BIND_SERVICE)"
             ) from None
+
+
+def _bind(host: str, port: int) -> None:
+    """Bind a socket as serve's HTTP server binds one (brackets dropped; IPv6 when the host
+    holds a colon), and close it."""
+    bare = host.replace("[", "").replace("]", "")
+    with socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bare, port))
 
 
 def _non_empty(text: str) -> str:
@@ -233,6 +224,15 @@ def _non_empty(text: str) -> str:
 
 UNEXPANDED_HOME = "it starts with '~', which only a shell expands, to a home directory; give the whole path"
 SURROUNDING_SPACE = "it starts or ends with white space (a file read with its newline?); remove it"
+
+
+def directory_given(text: str) -> Path:
+    """A directory as a setting names it, refused where it would name another than the one
+    meant: with white space at either end, or starting with a ``~`` no shell expanded (a
+    service manager's environment, say)."""
+    if _bare(text).startswith("~"):
+        raise ValueError(UNEXPANDED_HOME)
+    return Path(text)
 
 
 def _bare(text: str) -> str:
@@ -287,13 +287,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("state_dir", "AGENT_STATE_DIR", _state_dir, "--state-dir", "where the databases live", probe=_can_make_state_dir),
     Setting(
         "model_base_url", "AGENT_MODEL_BASE_URL", _url, "--model-base-url", "an OpenAI-compatible API",
-        show=_shown_url,
+        show=without_credentials,
     ),  # fmt: skip
     Setting("model", "AGENT_MODEL", _bare, "--model", "the model to ask"),
     Setting(
         "public_url", "AGENT_PUBLIC_URL", _public_url, "--public-url",
         "where clients reach this server, for the agent card (behind a proxy); unset: the address a request came in on",
-        show=_shown_url,
+        show=without_credentials,
     ),  # fmt: skip
     Setting("model_api_key", "AGENT_MODEL_API_KEY", _api_key, None, "bearer token for the model API", secret=True),
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
@@ -413,9 +413,7 @@ def backup_root(env: Mapping[str, str], state_dir: Path | None) -> Path | None:
         return None if state_dir is None else default_backup_root(state_dir)
     if not text.strip():
         raise ValueError("it must not be empty; unset it for the default, <state-dir>-backups beside the state directory")
-    if text != text.strip():
-        raise ValueError(SURROUNDING_SPACE)
-    root = Path(text)
+    root = directory_given(text)
     if state_dir is not None and root.resolve().is_relative_to(state_dir.resolve()):
         raise ValueError("it is inside the state directory; snapshots must go outside it")
     return root

@@ -19,7 +19,7 @@ from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
 from persistence.statedir import StateError, UnusableStateDir, is_db_name, try_state_dir
 from runtime.agents import app_version
-from runtime.config import BACKUP_ROOT_ENV, SURROUNDING_SPACE, UNEXPANDED_HOME, ConfigError, default_backup_root, os_error_text, unknown_settings
+from runtime.config import BACKUP_ROOT_ENV, ConfigError, directory_given, default_backup_root, os_error_text, unknown_settings
 
 DEFAULT_STATE_DIR = ".state"
 DEFAULT_KEEP = 7
@@ -109,13 +109,11 @@ def _flag_path(text: str | None, flag: str) -> Path | None:
 
 
 def _bare_path(text: str, given_as: str) -> Path:
-    """Refused with white space at either end, as serve and check refuse it: a value read from
-    a file with its newline would name another directory."""
-    if text != text.strip():
-        raise _UsageError(f"{given_as}={text!r} is not valid: {SURROUNDING_SPACE}")
-    if text.startswith("~"):
-        raise _UsageError(f"{given_as}={text!r} is not valid: {UNEXPANDED_HOME}")
-    return Path(text)
+    """Refused as serve and check refuse it (config.directory_given)."""
+    try:
+        return directory_given(text)
+    except ValueError as exc:
+        raise _UsageError(f"{given_as}={text!r} is not valid: {exc}") from None
 
 
 def _state_dir(args: argparse.Namespace) -> Path:

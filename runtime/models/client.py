@@ -78,10 +78,21 @@ def misplaced_at(url: str) -> bool:
     return "@" in parts.path or "@" in parts.query or "@" in parts.fragment
 
 
+# Stands in for a character a URL parser drops (see without_credentials): a private-use one,
+# which it keeps.
+_HELD = 0xE000
+
+
 def without_credentials(url: str) -> str:
     """``url`` as it may be shown: what it carries before an ``@`` (a user name can be a key
     too, and a password is one), and the values of its query (where some APIs take their key),
-    replaced by ``***``."""
+    replaced by ``***``. What a URL parser drops (a tab or a newline within it, control
+    characters and spaces at either end) is shown where it was: the URL shown is the one given."""
+    held = "".join(chr(_HELD + ord(c)) if c <= " " else c for c in url)
+    return "".join(chr(ord(c) - _HELD) if _HELD <= ord(c) <= _HELD + 0x20 else c for c in _masked(held))
+
+
+def _masked(url: str) -> str:
     try:
         scheme, slashes, rest = url.partition("//")
         if slashes and "@" in rest:

@@ -148,32 +148,38 @@ def without_the_privilege_to_listen_below_1024() -> list[str]:
     none for such a user; for root, ``setpriv`` dropping that capability."""
     if os.geteuid() != 0:
         return []
-    if shutil.which("setpriv") is None:
-        pytest.skip("setpriv (util-linux) is needed to run a process as root without CAP_NET_BIND_SERVICE")
+    assert shutil.which("setpriv"), "setpriv (util-linux) is needed to run a process as root without CAP_NET_BIND_SERVICE"
     return ["setpriv", "--bounding-set=-net_bind_service"]
+
+
+def a_privileged_port() -> int:
+    """The highest port only a privileged process may listen on, on this machine (1023 unless
+    its ``ip_unprivileged_port_start`` was changed)."""
+    start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    assert start > 1, f"every port is unprivileged on this machine (ip_unprivileged_port_start is {start})"
+    return start - 1
 
 
 def test_check_and_serve_agree_on_a_port_this_user_may_not_listen_on(tmp_path: Path) -> None:
     # check bound the host on a port the system picked, and said the configuration was fine;
     # serve then could not listen on port 80.
-    if int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text()) <= 80:
-        pytest.skip("every port is unprivileged on this machine")
+    port = a_privileged_port()
     prefix = without_the_privilege_to_listen_below_1024()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")} | {"AGENT_STATE_DIR": str(tmp_path / "state")}
     checked, served = (
         subprocess.run(
-            [*prefix, sys.executable, "-m", "runtime", command, "--port", "80"], env=env, capture_output=True, text=True, timeout=60
+            [*prefix, sys.executable, "-m", "runtime", command, "--port", str(port)], env=env, capture_output=True, text=True, timeout=60
         )
         for command in ("check", "serve")
     )
     assert checked.returncode == 1, checked.stdout
     assert checked.stderr == (
-        "error: the configuration has problems:\n  - --port='80' is not valid: serve could not listen on it (Permission"
+        f"error: the configuration has problems:\n  - --port='{port}' is not valid: serve could not listen on it (Permission"
         " denied; ports below 1024 need privileges): choose another port, or give the server the privilege"
         " (CAP_NET_BIND_SERVICE)\n"
     )
     assert served.returncode == 1 and "keel serving" not in served.stdout
     assert served.stderr.strip().splitlines()[-1] == (
-        "error: cannot listen on 127.0.0.1:80: Permission denied; this user may not listen there (ports below 1024 need"
+        f"error: cannot listen on 127.0.0.1:{port}: Permission denied; this user may not listen there (ports below 1024 need"
         " privileges): choose another --port (AGENT_PORT)"
     )
