@@ -36,12 +36,14 @@ from persistence.journal import (
     temp_name,
 )
 from persistence.rollback import (
+    RollbackPlan,
     by_name,
+    check_roll_forward,
+    cleanup,
     dir_evidence,
     discard_unpublished,
     execute_rollback,
     plan_rollback,
-    roll_forward,
 )
 from persistence.statedir import (
     RESIDUE_PREFIX,
@@ -160,8 +162,12 @@ def recover_locked(state_dir: Path, *, exclusive_held: bool) -> RecoveryOutcome:
                 return _recover_unpublished(state_dir, residue)
             return _recover_journal(state_dir, parse_journal_file(state_dir / JOURNAL_NAME), residue)
         except RecoveryError as exc:
-            said = str(exc)
-            raise type(exc)(f"{said}{' ' if said.endswith('.') else '. '}{ways_out(state_dir)}") from exc
+            raise _with_ways_out(exc, state_dir) from exc
+
+
+def _with_ways_out(exc: RecoveryError, state_dir: Path) -> RecoveryError:
+    said = str(exc)
+    return type(exc)(f"{said}{' ' if said.endswith('.') else '. '}{ways_out(state_dir)}")
 
 
 def ways_out(state_dir: Path) -> str:
@@ -172,24 +178,52 @@ def ways_out(state_dir: Path) -> str:
     )
 
 
+def check_recoverable(state_dir: Path) -> None:
+    """Raise RecoveryError, as ``recover`` would, when it could not account for the state directory
+    (``state_dir``); change nothing. Blocking: waits while a snapshot, restore or recovery holds
+    the generation lock, which it takes only where a restore left residue."""
+    if not os.path.lexists(state_dir) or not _residue(state_dir):
+        return
+    with generation_lock(state_dir, reading=True):
+        residue = _residue(state_dir)
+        try:
+            if JOURNAL_NAME in residue:
+                _plan_journal(state_dir, parse_journal_file(state_dir / JOURNAL_NAME), residue)
+            elif (journal := _read_unpublished(state_dir, residue)[1]) is not None:
+                _plan_journal(state_dir, journal, _adopted(residue, journal))
+        except RecoveryError as exc:
+            raise _with_ways_out(exc, state_dir) from exc
+
+
 def _recover_journal(state_dir: Path, journal: Journal, residue: list[str]) -> RecoveryOutcome:
+    plan = _plan_journal(state_dir, journal, residue)
+    if plan is None:
+        cleanup(state_dir, journal)
+        return RecoveryOutcome(RecoveryAction.ROLLED_FORWARD, journal.transaction_id)
+    if journal.phase == "prepared":
+        journal = journal.with_phase("rolling_back")
+        publish_journal(state_dir, journal, rename=os.replace)
+    execute_rollback(state_dir, journal, plan, rename=os.replace)
+    return RecoveryOutcome(RecoveryAction.ROLLED_BACK, journal.transaction_id)
+
+
+def _plan_journal(state_dir: Path, journal: Journal, residue: list[str]) -> RollbackPlan | None:
+    """Check, changing nothing, that ``journal`` accounts for the directory: the rollback to do,
+    or None when its (committed) restore is to be finished. Raises RecoveryError."""
     if unowned := [name for name in residue if name not in journal.owned_names]:
         raise RecoveryError(
             f"Restore journal in {state_dir} does not own this residue: {', '.join(unowned)}; "
             "recovery cannot account for it, so everything is left in place for the operator"
         )
     # An owned temp is a phase update that was made durable but never published: the durable
-    # journal stays authoritative, and the temp is replaced or removed by the steps below.
+    # journal stays authoritative, and the temp is replaced or removed by the steps that follow.
     if journal.phase == "committed":
-        roll_forward(state_dir, journal)
-        return RecoveryOutcome(RecoveryAction.ROLLED_FORWARD, journal.transaction_id)
+        check_roll_forward(state_dir, journal)
+        return None
     plan = plan_rollback(state_dir, journal)
     if journal.phase == "prepared":
         _check_prepared_evidence(state_dir, journal)
-        journal = journal.with_phase("rolling_back")
-        publish_journal(state_dir, journal, rename=os.replace)
-    execute_rollback(state_dir, journal, plan, rename=os.replace)
-    return RecoveryOutcome(RecoveryAction.ROLLED_BACK, journal.transaction_id)
+    return plan
 
 
 def _residue(state_dir: Path) -> list[str]:
@@ -215,13 +249,28 @@ def _recover_unpublished(state_dir: Path, residue: list[str]) -> RecoveryOutcome
     complete staging is adopted (then rolled back like any prepared one); a torn one, or one whose
     staging was already being removed, is discarded; so is the staging of a restore that died
     before it wrote any journal, its quarantine still empty."""
+    txid, journal = _read_unpublished(state_dir, residue)
+    if journal is None:
+        discard_unpublished(state_dir, txid)
+        return RecoveryOutcome(RecoveryAction.DISCARDED, txid)
+    os.replace(state_dir / temp_name(txid), state_dir / JOURNAL_NAME)  # adopted: a crash from here on is an ordinary rollback
+    fsync_dir(state_dir)
+    return _recover_journal(state_dir, journal, _adopted(residue, journal))
+
+
+def _adopted(residue: list[str], journal: Journal) -> list[str]:
+    return sorted(set(residue) - {temp_name(journal.transaction_id)} | {JOURNAL_NAME})
+
+
+def _read_unpublished(state_dir: Path, residue: list[str]) -> tuple[str, Journal | None]:
+    """What ``_recover_unpublished`` is to do, found changing nothing: the transaction, and its
+    journal to adopt, or None when it is to be discarded. Raises RecoveryError."""
     temps = [match for name in residue if (match := TEMP_NAME.fullmatch(name))]
     only_staged = _staged_only(residue)
     if not temps and only_staged is not None and not dir_evidence(state_dir / (QUARANTINE_PREFIX + only_staged)):
         # Killed while it copied the snapshot in (the longest step of a restore), or while a
         # restore that failed then was removing that copy: what its own unwinding does, done now.
-        discard_unpublished(state_dir, only_staged)
-        return RecoveryOutcome(RecoveryAction.DISCARDED, only_staged)
+        return only_staged, None
     if len(temps) != 1:
         raise RecoveryError(
             f"Restore residue exists in {state_dir} without a durable journal: {', '.join(residue)}; "
@@ -243,8 +292,7 @@ def _recover_unpublished(state_dir: Path, residue: list[str]) -> RecoveryOutcome
     try:
         journal = parse_journal_file(temp)
     except UnreadableJournal:
-        discard_unpublished(state_dir, txid)  # torn while being written: nothing live was touched
-        return RecoveryOutcome(RecoveryAction.DISCARDED, txid)
+        return txid, None  # torn while being written: nothing live was touched
     if journal.transaction_id != txid or journal.phase != "prepared":
         raise RecoveryError(
             f"An unpublished restore journal must record the prepared phase of its own transaction: {temp}"
@@ -257,11 +305,8 @@ def _recover_unpublished(state_dir: Path, residue: list[str]) -> RecoveryOutcome
     if staged != by_name(journal.new_inventory) or not (state_dir / journal.quarantine_dir).is_dir():
         # Its staging was already being taken apart (a failed restore unwinding); live state is
         # verified to be the old generation, so there is nothing to roll back.
-        discard_unpublished(state_dir, txid)
-        return RecoveryOutcome(RecoveryAction.DISCARDED, txid)
-    os.replace(temp, state_dir / JOURNAL_NAME)  # adopt it, so a crash from here on is an ordinary rollback
-    fsync_dir(state_dir)
-    return _recover_journal(state_dir, journal, sorted(set(residue) - {temp.name} | {JOURNAL_NAME}))
+        return txid, None
+    return txid, journal
 
 
 def _check_prepared_evidence(state_dir: Path, journal: Journal) -> None:

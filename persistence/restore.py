@@ -5,14 +5,16 @@ refuse while any process serves the directory. The whole snapshot is validated b
 live is touched. Then, under the generation lock:
 
 1. stage the new generation in ``.restore-staged.<txid>/`` (each copy fsynced and re-hashed);
-2. publish the ``prepared`` journal (temp file, fsync, directory fsync, rename, directory fsync);
+2. publish the ``prepared`` journal (temp file, fsync, directory fsync, rename, directory fsync), and
+   write the ``committed`` one's temp file, so that no step from here on needs room on the disk;
 3. quarantine the old generation file by file, sidecars included, into ``.restore-quarantine.<txid>/``,
    fsyncing both directories after each move;
 4. publish the staged databases the same way, and verify the live inventory exactly;
-5. publish the ``committed`` journal; remove staging and quarantine, and the journal last.
+5. publish the ``committed`` journal (a rename); remove staging and quarantine, and the journal last.
 
-A failure before step 2 removes the staging; after it and before step 5 the journal moves to
-``rolling_back`` and the old generation is put back byte for byte; after step 5 the new
+A failure before a live file moves removes the journal, then the staging; after that and before
+step 5 the journal moves to ``rolling_back`` (in the room the ``committed`` temp held) and the old
+generation is put back byte for byte; after step 5 the new
 generation stays and recovery finishes the clean-up. A crash anywhere is recovery's to finish.
 """
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import attrs
 
 from persistence.journal import JOURNAL_NAME, QUARANTINE_PREFIX, STAGING_PREFIX, Journal, Rename, new_transaction_id
-from persistence.journal import publish_journal, stage_journal
+from persistence.journal import publish_journal, stage_journal, temp_name
 from persistence.manifest import Manifest, read_snapshot
 from persistence.recovery import recover_locked
 from persistence.rollback import assert_live, cleanup, discard_unpublished, roll_back
@@ -68,11 +70,19 @@ def restore_snapshot(snapshot_dir: Path, state_dir: Path, *, rename: Rename = os
 
     Blocking; waits while another process snapshots, restores or recovers this directory.
     ``rename`` is the one seam every move goes through (crash tests replace it). Raises
-    SnapshotError (nothing touched) for a snapshot that fails validation, UnusableStateDir for a
-    state directory that cannot be used (saying why), StateBusy while a process serves the
-    directory, RecoveryError when an earlier restore cannot be accounted for, and RestoreError
-    when the restore failed and the previous generation was put back.
+    SnapshotError (nothing touched) for a snapshot that fails validation or is the state directory
+    itself, UnusableStateDir for a state directory that cannot be used (saying why), StateBusy
+    while a process serves the directory, RecoveryError when an earlier restore cannot be
+    accounted for, and RestoreError when the restore failed and the previous generation was put back.
     """
+    # Read where it is, once: a link (a ``latest`` kept beside the snapshots) or a ``..`` names the
+    # snapshot it leads to, which is validated and copied whatever the link comes to name meanwhile.
+    snapshot_dir = Path(os.path.realpath(snapshot_dir))
+    if Path(os.path.realpath(state_dir)) == snapshot_dir:  # a server started there would write the snapshot
+        raise SnapshotError(
+            f"the state directory {state_dir} is the snapshot {snapshot_dir}; give --state-dir (or AGENT_STATE_DIR)"
+            " the state directory to restore it into"
+        )
     try:
         manifest = read_snapshot(snapshot_dir)
     except SnapshotError as exc:
@@ -91,6 +101,7 @@ class _Restore:
     rename: Rename
     transaction_id: str = attrs.field(init=False, factory=new_transaction_id)
     journal: Journal | None = attrs.field(init=False, default=None)  # the durable one, once published
+    moved: bool = attrs.field(init=False, default=False)  # whether a live file may have moved
 
     def run(self) -> RestoreResult:
         staging = self.state_dir / (STAGING_PREFIX + self.transaction_id)
@@ -102,13 +113,16 @@ class _Restore:
             new = self._stage(staging)
             old = live_inventory(self.state_dir)
             self._publish_journal(Journal(self.transaction_id, "prepared", old, new))
+            # Written before anything live moves, so that committing takes no room on a disk that
+            # fills meanwhile, and rolling back gets the room this file holds (stage_journal frees it).
+            committed = Journal(self.transaction_id, "committed", old, new)
+            commit = stage_journal(self.state_dir, committed)
             for evidence in old:
                 self._move(self.state_dir / evidence.filename, quarantine / evidence.filename)
             for evidence in new:
                 self._move(staging / evidence.filename, self.state_dir / evidence.filename)
             assert_live(self.state_dir, new, "new")
-            committed = Journal(self.transaction_id, "committed", old, new)
-            self._publish_journal(committed)
+            self._publish_staged(commit, committed)
         except BaseException as exc:
             self._unwind()
             as_they_were = self.journal is None or self.journal.phase == "rolling_back"
@@ -132,18 +146,28 @@ class _Restore:
         )
 
     def _publish_journal(self, journal: Journal) -> None:
-        temp = stage_journal(self.state_dir, journal)
+        self._publish_staged(stage_journal(self.state_dir, journal), journal)
+
+    def _publish_staged(self, temp: Path, journal: Journal) -> None:
         self.rename(temp, self.state_dir / JOURNAL_NAME)
         self.journal = journal  # durable from here on, whatever happens to the fsync below
         fsync_dir(self.state_dir)
 
     def _move(self, source: Path, target: Path) -> None:
+        self.moved = True
         self.rename(source, target)
         fsync_dir(source.parent)
         fsync_dir(target.parent)
 
     def _unwind(self) -> None:
         """Undo what a failed restore did; a committed restore is left for recovery to finish."""
+        if self.journal is not None and self.journal.phase == "prepared" and not self.moved:
+            # Nothing live has moved: the journal goes, with no room needed to say so, before what
+            # it explains (a crash between the two leaves the staging that recovery discards).
+            (self.state_dir / temp_name(self.transaction_id)).unlink(missing_ok=True)
+            (self.state_dir / JOURNAL_NAME).unlink()
+            fsync_dir(self.state_dir)
+            self.journal = None
         if self.journal is None:
             discard_unpublished(self.state_dir, self.transaction_id)
         elif self.journal.phase == "prepared":

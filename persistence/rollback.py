@@ -83,8 +83,9 @@ def roll_back(state_dir: Path, journal: Journal, *, rename: Rename) -> None:
     execute_rollback(state_dir, journal, plan_rollback(state_dir, journal), rename=rename)
 
 
-def roll_forward(state_dir: Path, journal: Journal) -> None:
-    """Finish a committed restore: the new generation must be live exactly; then clean up."""
+def check_roll_forward(state_dir: Path, journal: Journal) -> None:
+    """Check, changing nothing, that a committed restore can be finished: the new generation must
+    be live exactly (what is left to do is ``cleanup``); raises RecoveryError."""
     if staged := dir_evidence(state_dir / journal.staging_dir):
         raise RecoveryError(
             f"Restore recovery found staged files after the commit: {', '.join(staged)}; refusing to guess."
@@ -94,7 +95,6 @@ def roll_forward(state_dir: Path, journal: Journal) -> None:
         if old.get(name) != evidence:
             raise RecoveryError(f"Restore recovery cannot match quarantined evidence for {name} to the old generation.")
     assert_live(state_dir, journal.new_inventory, "committed")
-    cleanup(state_dir, journal)
 
 
 def assert_live(state_dir: Path, expected: tuple[FileEvidence, ...], which: str) -> None:

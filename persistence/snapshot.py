@@ -30,14 +30,20 @@ from persistence.statedir import (
     DIR_MODE,
     PRIVATE_MODE,
     SnapshotError,
+    cannot_create,
     encode_document,
     file_evidence,
     fsync_dir,
     generation_lock,
     holds_keel_state,
+    in_use,
     is_db_name,
+    nearest_existing,
+    not_a_directory_to_use,
     refusal,
     write_new_file,
+    write_refused,
+    written_by_no_one,
 )
 
 APPLICATION = "keel"
@@ -68,9 +74,10 @@ def create_snapshot(
 
     Blocking. Runs recovery first; holds the generation lock while it copies, so a restore waits
     (a server keeps running). Keeps the newest ``keep`` complete snapshots. Raises SnapshotError
-    (nothing published) for a missing or empty state directory, a backup root inside it, a stamp
-    that is taken or being written by another process, or a database that fails its check;
-    RecoveryError when the state directory cannot be accounted for.
+    (nothing published) for a missing or empty state directory, a backup root inside it (or not a
+    directory, or one this user may not write in), a stamp that is taken or being written by
+    another process, or a database that fails its check; RecoveryError when the state directory
+    cannot be accounted for.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}; a snapshot that is pruned at once protects nothing")
@@ -81,7 +88,9 @@ def create_snapshot(
     recover(state_dir)
     if not state_dir.is_dir():
         raise SnapshotError(f"the state directory {state_dir} does not exist; there is nothing to snapshot")
-    if backup_root.resolve().is_relative_to(state_dir.resolve()):
+    if why := not_a_directory_to_use(backup_root):
+        raise _unusable_backup_root(backup_root, why)
+    if Path(os.path.realpath(backup_root)).is_relative_to(os.path.realpath(state_dir)):
         raise SnapshotError(
             f"the backup root {backup_root} is inside the state directory {state_dir}; choose one outside it"
         )
@@ -95,12 +104,33 @@ def create_snapshot(
     with generation_lock(state_dir, reading=True):  # none where no one may write: nothing there can change
         recover_locked(state_dir, exclusive_held=False)
         names = _database_names(state_dir)
-        backup_root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        _make_backup_root(backup_root)
         _remove_abandoned(backup_root)
+        # A server that holds the directory may not have opened its databases yet: none is then
+        # a file no one will change (see _read_together), whatever is beside it.
+        immutable = written_by_no_one(state_dir) or not in_use(state_dir)
         with _claim_stamp(backup_root, stamp):
-            target = _write_snapshot(state_dir, backup_root, stamp, names, app_version, now)
+            target = _write_snapshot(state_dir, backup_root, stamp, names, app_version, now, immutable=immutable)
     prune_snapshots(backup_root, keep=keep, keeping=target)
     return target
+
+
+def _unusable_backup_root(backup_root: Path, why: str) -> SnapshotError:
+    return SnapshotError(
+        f"the backup root {backup_root} cannot be used: {why}; give --backup-root (or AGENT_BACKUP_ROOT)"
+        " a directory this user may write in"
+    )
+
+
+def _make_backup_root(backup_root: Path) -> None:
+    """Make the backup root unless it is there; refuse one that no snapshot can be written in."""
+    try:
+        backup_root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        existing = nearest_existing(backup_root)
+        raise _unusable_backup_root(backup_root, cannot_create(existing, refusal(exc, "directories", existing))) from exc
+    if why := write_refused(backup_root):
+        raise _unusable_backup_root(backup_root, why)
 
 
 def _database_names(state_dir: Path) -> list[str]:
@@ -176,12 +206,12 @@ def _remove_abandoned(backup_root: Path) -> None:
 
 
 def _write_snapshot(
-    state_dir: Path, backup_root: Path, stamp: str, names: list[str], app_version: str, now: datetime
+    state_dir: Path, backup_root: Path, stamp: str, names: list[str], app_version: str, now: datetime, *, immutable: bool
 ) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".incomplete-{stamp}.", dir=backup_root))
     try:
         os.chmod(staging, DIR_MODE)
-        with _read_together(state_dir, names) as sources:
+        with _read_together(state_dir, names, immutable=immutable) as sources:
             entries = tuple(_copy_database(state_dir / name, src, staging / name) for name, src in zip(names, sources))
         manifest = Manifest(
             created_at=now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
@@ -210,19 +240,19 @@ def _write_snapshot(
 
 
 @contextmanager
-def _read_together(state_dir: Path, names: list[str]) -> Iterator[list[sqlite3.Connection]]:
+def _read_together(state_dir: Path, names: list[str], *, immutable: bool) -> Iterator[list[sqlite3.Connection]]:
     """A connection to each database, each in a read transaction begun before any is copied: the
     copies hold the databases as they were at one moment (a few microseconds wide), however long
-    copying the first takes while a server writes. A database with no ``-wal`` beside it is read
-    as an immutable file: under the generation lock no server can open it meanwhile (one that has
-    it open has a ``-wal``), and where no one may write, nothing can; so nothing is made beside
-    it, and a read-only copy of a state directory can be read."""
+    copying the first takes while a server writes. ``immutable``: no server holds the directory,
+    and under the generation lock none can start meanwhile (or no one may write in it): a database
+    with no ``-wal`` beside it is then read as an immutable file, so nothing is made beside it, and
+    a read-only copy of a state directory can be read."""
     with ExitStack() as stack:
         sources = []
         for name in names:
             source = state_dir / name
             try:
-                uri = immutable_uri(source)
+                uri = immutable_uri(source) if immutable else None
                 src = sqlite3.connect(uri or source, uri=uri is not None, timeout=BUSY_TIMEOUT_MS / 1000)
                 stack.callback(src.close)
                 src.execute("BEGIN")

@@ -272,6 +272,18 @@ def not_a_directory(path: Path) -> str | None:
     return f"it is {kind_of(mode)}, not a directory"
 
 
+def not_a_directory_to_use(path: Path) -> str | None:
+    """Why ``path``, followed through its links, is no directory to make entries in, or None when
+    it is one or is not there yet (to be made)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "it is a symbolic link to nothing, not a directory" if os.path.islink(path) else None
+    except OSError as exc:  # a link that leads to itself, a parent that is a file
+        return f"it cannot be reached ({exc.strerror or exc})"
+    return None if stat.S_ISDIR(mode) else f"it is {kind_of(mode)}, not a directory"
+
+
 def refusal(exc: OSError, made: str, where: Path) -> str:
     """Why the file system would not make new ``made`` ("files", "directories") in the directory
     ``where``, in plain words: no errno, and no "No such file or directory" for a directory that
@@ -597,6 +609,25 @@ def _lock_now(state_dir: Path, name: str, operation: int, busy: type[StateBusy |
         os.close(fd)
         raise
     return fd
+
+
+def in_use(state_dir: Path) -> bool:
+    """Whether a process holds ``.keel.lock`` (a server, which may have the databases open or be
+    about to open them), for a caller holding the generation lock, under which none can take it
+    meanwhile. One that cannot be told is taken as held."""
+    try:
+        fd = os.open(state_dir / USE_LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go at once, as the descriptor closes
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def release_use(fd: int) -> None:

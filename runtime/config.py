@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import errno
 import ipaddress
+import os
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from persistence.errors import StoreError
+from persistence.recovery import check_recoverable
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.sqlite import inspect
 from persistence.statedir import (
@@ -29,6 +31,7 @@ from persistence.statedir import (
     cannot_create,
     nearest_existing,
     not_a_directory,
+    not_a_directory_to_use,
     not_under,
     require_writable,
     too_full,
@@ -158,12 +161,14 @@ def preflight(state_dir: Path) -> None:
 
 def _can_make_state_dir(path: Path) -> None:
     """What serve will do, tried, leaving nothing behind (persistence.statedir.try_state_dir);
-    the room left there, which /healthz wants; and its databases read as serve's preflight reads
-    them (making nothing beside them where no server has them open)."""
+    the room left there, which /healthz wants; what a restore cut short left, checked as serve's
+    recovery checks it (moving nothing); and its databases read as serve's preflight reads them
+    (making nothing beside them where no server has them open)."""
     try:
         try_state_dir(path)
         if why := too_full(nearest_existing(path)):
             raise ValueError(f"it is {why}")
+        check_recoverable(path)  # what serve does first: finish or roll back a restore cut short
         preflight(path)
     except UnusableStateDir as exc:
         raise ValueError(exc.why) from None
@@ -414,6 +419,8 @@ def backup_root(env: Mapping[str, str], state_dir: Path | None) -> Path | None:
     if not text.strip():
         raise ValueError("it must not be empty; unset it for the default, <state-dir>-backups beside the state directory")
     root = directory_given(text)
-    if state_dir is not None and root.resolve().is_relative_to(state_dir.resolve()):
+    if why := not_a_directory_to_use(root):
+        raise ValueError(why)
+    if state_dir is not None and Path(os.path.realpath(root)).is_relative_to(os.path.realpath(state_dir)):
         raise ValueError("it is inside the state directory; snapshots must go outside it")
     return root

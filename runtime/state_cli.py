@@ -54,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     restore = actions.add_parser(
         "restore", help="replace the live databases with a snapshot's, all or nothing (servers must be stopped)"
     )
-    restore.add_argument("snapshot", type=Path, metavar="SNAPSHOT", help="a published snapshot directory")
+    restore.add_argument("snapshot", metavar="SNAPSHOT", help="a published snapshot directory")
     _add_state_dir(restore)
     restore.set_defaults(func=_guarded(_restore), parser=restore)
 
@@ -151,8 +151,10 @@ def _snapshot(args: argparse.Namespace) -> int:
 
 
 def _restore(args: argparse.Namespace) -> int:
+    if not args.snapshot.strip():  # not the current directory
+        raise _UsageError("SNAPSHOT must not be empty; give the snapshot directory that state snapshot printed")
     state_dir = _state_dir(args)
-    result = restore_snapshot(args.snapshot, state_dir)
+    result = restore_snapshot(Path(args.snapshot), state_dir)
     print(
         f"restored {', '.join(result.restored)} from {args.snapshot} into {state_dir} "
         f"(transaction {result.transaction_id}; replaced {len(result.replaced)} files)"

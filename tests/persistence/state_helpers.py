@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import sqlite3
@@ -92,6 +93,12 @@ def old_generation(state_dir: Path) -> None:
     make_db(state_dir / "obsolete.db", None, "old")
     make_db(state_dir / "incidents.db", None, "old")
     leave_hot_sidecars(state_dir, wal_db="runtime.db", journal_db="incidents.db")
+
+
+def live_databases(state_dir: Path) -> None:
+    """A state directory's two databases, as a server that has stopped leaves them."""
+    make_db(state_dir / "runtime.db", SESSIONS, "live")
+    make_db(state_dir / "tasks.db", TASKS, "live")
 
 
 def new_snapshot(tmp_path: Path, *, stamp: str = "20260102T030405Z", label: str = "new") -> Path:
@@ -185,3 +192,15 @@ def small_disk(where: Path, size: str) -> Iterator[Path]:
         yield where
     finally:
         subprocess.run(["umount", str(where)], check=True)
+
+
+def fill(directory: Path) -> None:
+    """Write a file in ``directory`` until its file system is full, as another program may."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        while True:
+            os.write(fd, bytes(1 << 16))
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)

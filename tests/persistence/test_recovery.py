@@ -25,14 +25,17 @@ from persistence.statedir import (
 )
 from tests.persistence.state_helpers import (
     SESSIONS,
+    fill,
     fingerprint,
     labels,
+    live_databases,
     make_db,
     new_snapshot,
     old_generation,
     quarantine_dir,
     residue,
     run_child,
+    small_disk,
     snapshot_databases,
 )
 
@@ -74,6 +77,25 @@ def test_crash_after_first_quarantine_recovers_byte_identical_old_generation_wit
     assert outcome.action is RecoveryAction.ROLLED_BACK
     assert_old_generation_back(scene)
     assert {"runtime.db-wal", "runtime.db-shm", "incidents.db-journal"} <= scene.before.keys()
+
+
+def test_a_restore_killed_midway_on_a_disk_that_then_filled_is_rolled_back_all_the_same(tmp_path: Path) -> None:
+    # Rolling back publishes a journal saying so: on a full disk there was no room for it, and
+    # every process that started on the directory failed on it until space was freed.
+    snapshot = new_snapshot(tmp_path)
+    with small_disk(tmp_path / "small", "2m") as small:
+        state_dir = small / "state"
+        live_databases(state_dir)
+        before = fingerprint(state_dir)
+        killed = run_child("after-quarantine", snapshot, state_dir)
+        assert killed.returncode == 71, killed.stderr
+        fill(small)
+
+        outcome = recover(state_dir)
+        after = fingerprint(state_dir)
+
+    assert outcome.action is RecoveryAction.ROLLED_BACK
+    assert after == before
 
 
 def test_crash_after_committed_is_published_keeps_new_generation(scene: Scene) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -28,14 +29,17 @@ from persistence.statedir import (
 )
 from tests.persistence.state_helpers import (
     CHILD_TIMEOUT_S,
-    finish_child,
+    fill,
     fingerprint,
+    finish_child,
     labels,
+    live_databases,
     make_damaged_db,
     make_db,
     new_snapshot,
     old_generation,
     residue,
+    small_disk,
     snapshot_databases,
     start_child,
     wait_for_line,
@@ -224,6 +228,56 @@ def test_restore_rolls_back_the_complete_generation_after_a_publication_failure(
 
     assert fingerprint(state_dir) == before
     assert residue(state_dir) == []
+
+
+def live_and_filling(small: Path, filled: str) -> tuple[Path, Callable[[Path, Path], None]]:
+    """A state directory on ``small``, and a rename seam that fills the disk once the restore has
+    published its journal (``prepared``) or moved the first database aside (``moved aside``);
+    ``moved aside, then refused`` also has the next move refused, as a full disk refuses a
+    directory that must grow."""
+    state_dir = small / "state"
+    live_databases(state_dir)
+
+    def rename(source: Path, target: Path) -> None:
+        if os.path.exists(small / "filler") and filled.endswith("refused") and target.parent.name.startswith(seam):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(source))
+        os.replace(source, target)
+        into = target.name if filled == "prepared" else target.parent.name
+        if not os.path.exists(small / "filler") and into.startswith(seam):
+            fill(small)
+
+    seam = ".restore-journal.json" if filled == "prepared" else ".restore-quarantine."
+    return state_dir, rename
+
+
+@pytest.mark.parametrize("filled", ["prepared", "moved aside, then refused"])
+def test_restore_on_a_disk_that_fills_midway_puts_the_live_databases_back_and_says_so(tmp_path: Path, filled: str) -> None:
+    snapshot = new_snapshot(tmp_path)
+    with small_disk(tmp_path / "small", "2m") as small:
+        state_dir, rename = live_and_filling(small, filled)
+        before = fingerprint(state_dir)
+
+        with pytest.raises(RestoreError) as raised:
+            restore_snapshot(snapshot, state_dir, rename=rename)
+        after = fingerprint(state_dir)
+
+    assert str(raised.value) == (
+        f"restoring {snapshot} failed: the state directory {state_dir} has no room for its databases (its file system"
+        " is full), and the live databases are as they were; free space on its disk and restore again"
+    )
+    assert after == before  # no journal left for the next process to find, and no copy
+
+
+def test_restore_on_a_disk_that_fills_once_the_live_databases_move_finishes(tmp_path: Path) -> None:
+    snapshot = new_snapshot(tmp_path)
+    with small_disk(tmp_path / "small", "2m") as small:
+        state_dir, rename = live_and_filling(small, "moved aside")
+
+        result = restore_snapshot(snapshot, state_dir, rename=rename)
+        after = fingerprint(state_dir)
+
+    assert result.restored == ("memory.db", "runtime.db", "tasks.db")
+    assert after == snapshot_databases(snapshot)
 
 
 def test_restore_interrupted_by_keyboard_interrupt_rolls_back_and_reraises_it(tmp_path: Path) -> None:

@@ -17,10 +17,12 @@ import pytest
 
 from persistence import snapshot as snapshot_module
 from persistence.manifest import read_snapshot
+from persistence.recovery import hold_state_dir
 from persistence.schema import SchemaIdentity
 from persistence.snapshot import complete_snapshots, create_snapshot
 from persistence.statedir import RecoveryError, SnapshotError
-from tests.persistence.state_helpers import SESSIONS, TASKS, labels, make_damaged_db, make_db
+from tests.persistence.state_helpers import in_wal_mode, labels, live_databases, make_damaged_db, make_db
+
 
 STAMP = "20260102T030405Z"
 
@@ -28,8 +30,7 @@ STAMP = "20260102T030405Z"
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Path:
     state = tmp_path / "state"
-    make_db(state / "runtime.db", SESSIONS, "live")
-    make_db(state / "tasks.db", TASKS, "live")
+    live_databases(state)
     make_db(state / "foreign.db", None, "live")
     return state
 
@@ -217,4 +218,33 @@ def test_a_snapshot_holds_every_database_as_it_was_at_one_moment(state_dir: Path
             conn.close()
 
     assert labels(state_dir / "tasks.db")[-1] == "written-while-copying"
+    assert labels(snapshot / "tasks.db") == ["live-0", "live-1", "live-2"]
+
+
+def test_a_snapshot_taken_as_a_server_starts_holds_every_database_as_it_was_at_one_moment(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server holds the state directory before it opens its databases. A snapshot that began
+    # then, finding no -wal beside them, read them as files no one would change: the server's
+    # first writes, checkpointed into tasks.db after runtime.db was copied, were in its copy.
+    for name in ("runtime.db", "tasks.db"):
+        in_wal_mode(state_dir / name)  # as a stopped server leaves them: no -wal, no -shm
+    copy = snapshot_module._copy_database
+
+    def the_server_writes_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        copied = copy(*args, **kwargs)
+        if Path(args[0]).name == "runtime.db":
+            server = sqlite3.connect(state_dir / "tasks.db", isolation_level=None)
+            try:
+                server.execute("INSERT INTO items (label) VALUES ('written-after-the-snapshot-began')")
+                server.execute("PRAGMA wal_checkpoint(PASSIVE)")  # what a growing WAL has it do
+            finally:
+                server.close()
+        return copied
+
+    monkeypatch.setattr(snapshot_module, "_copy_database", the_server_writes_meanwhile)
+    with hold_state_dir(state_dir):  # the server's first steps: it opens its databases next
+        snapshot = snap(state_dir)
+
+    assert labels(state_dir / "tasks.db")[-1] == "written-after-the-snapshot-began"
     assert labels(snapshot / "tasks.db") == ["live-0", "live-1", "live-2"]

@@ -14,10 +14,12 @@ import trio
 
 from persistence.recovery import hold_state_dir
 from persistence.sessions import open_session_store
+from persistence.snapshot import create_snapshot
 from persistence.statedir import StateError
 from persistence.tasks import open_task_store
 from runtime.config import Config, ConfigError
-from tests.persistence.state_helpers import TASKS, make_db
+from tests.persistence.restore_child import AFTER_FIRST_QUARANTINE
+from tests.persistence.state_helpers import TASKS, fingerprint, make_db, quarantine_dir, run_child
 from tests.runtime.test_config import run_cli
 
 
@@ -183,3 +185,39 @@ def test_check_and_serve_agree_on_a_port_this_user_may_not_listen_on(tmp_path: P
         f"error: cannot listen on 127.0.0.1:{port}: Permission denied; this user may not listen there (ports below 1024 need"
         " privileges): choose another --port (AGENT_PORT)"
     )
+
+
+async def real_state(state: Path) -> None:
+    """A state directory as a stopped server leaves it."""
+    state.mkdir()
+    async with open_session_store(state / "runtime.db"), open_task_store(state / "tasks.db"):
+        pass
+
+
+@pytest.mark.parametrize("then", ["left as it was", "a file moved aside removed by hand"])
+async def test_check_and_serve_agree_on_what_an_interrupted_restore_left(tmp_path: Path, then: str) -> None:
+    # check read the databases it found and said the configuration was fine; serve, whose first
+    # step is to finish or roll back the restore, refused what it could not account for.
+    await real_state(tmp_path / "source")
+    snapshot = create_snapshot(tmp_path / "source", tmp_path / "backups", keep=1, app_version="test")
+    state = tmp_path / "state"
+    await real_state(state)
+    killed = await trio.to_thread.run_sync(run_child, "after-quarantine", snapshot, state)
+    assert killed.returncode == AFTER_FIRST_QUARANTINE, killed.stderr
+    if then != "left as it was":
+        for moved in quarantine_dir(state).iterdir():
+            moved.unlink()
+    before = fingerprint(state)
+
+    checked = await trio.to_thread.run_sync(partial(run_cli, "check", env={"AGENT_STATE_DIR": str(state)}))
+
+    assert fingerprint(state) == before  # check reads only
+    if then == "left as it was":  # serve rolls it back
+        assert checked.returncode == 0, checked.stderr
+        return
+    served = await trio.to_thread.run_sync(partial(run_cli, "serve", "--port", "0", env={"AGENT_STATE_DIR": str(state)}))
+    assert served.returncode == 1 and "keel serving" not in served.stdout, served.stdout
+    refused = served.stderr.strip().splitlines()[-1].removeprefix("error: ")
+    assert refused.startswith("Restore recovery is missing byte-identical old evidence for runtime.db."), refused
+    assert checked.returncode == 1, checked.stdout
+    assert f"AGENT_STATE_DIR='{state}' is not valid: {refused}\n" in checked.stderr

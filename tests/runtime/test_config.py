@@ -340,11 +340,15 @@ def test_check_shows_every_setting_not_set_alike_and_where_snapshots_go(tmp_path
     [
         ("", "it must not be empty; unset it for the default, <state-dir>-backups beside the state directory"),
         ("{state}/backups", "it is inside the state directory; snapshots must go outside it"),
+        ("{tmp}/a-file", "it is a file, not a directory"),
+        ("{tmp}/a-loop", "it cannot be reached (Too many levels of symbolic links)"),
     ],
 )
 def test_check_refuses_a_backup_root_snapshot_would_refuse(tmp_path: Path, root: str, said: str) -> None:
     state = tmp_path / "state"
-    root = root.format(state=state)
+    (tmp_path / "a-file").write_bytes(b"")
+    (tmp_path / "a-loop").symlink_to("a-loop")
+    root = root.format(state=state, tmp=tmp_path)
     result = run_cli("check", env={"AGENT_STATE_DIR": str(state), "AGENT_BACKUP_ROOT": root})
     assert result.returncode == 1, result.stdout
     assert f"AGENT_BACKUP_ROOT='{root}' is not valid: {said}" in result.stderr

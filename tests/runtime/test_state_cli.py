@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from tests.persistence.state_helpers import (
     grow,
     in_wal_mode,
     labels,
+    live_databases,
     make_db,
     new_snapshot,
     old_generation,
@@ -259,6 +260,88 @@ def test_state_restore_reports_a_damaged_snapshot_and_changes_nothing(tmp_path: 
         " another snapshot"
     )
     assert fingerprint(state) == before
+
+
+def test_state_restore_reads_a_snapshot_named_through_a_link_or_from_inside_it(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    snapshot = Path(keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z").stdout.strip())
+    (snapshot.parent / "latest").symlink_to(snapshot.name)  # what an operator keeps beside the snapshots
+    (snapshot / "notes").mkdir()
+
+    through_link = keel(tmp_path, "state", "restore", ".state-backups/latest")
+    from_inside = keel(snapshot / "notes", "state", "restore", "..", "--state-dir", "../../../.state")
+
+    assert (through_link.returncode, through_link.stderr) == (0, "")
+    assert (from_inside.returncode, from_inside.stderr) == (0, "")
+    assert fingerprint(state) == snapshot_databases(snapshot)
+
+
+def test_state_restore_refuses_a_snapshot_given_as_its_own_state_directory(tmp_path: Path) -> None:
+    # It was restored onto itself: lock files were made beside its manifest, and a server started
+    # there would have written its databases, leaving no snapshot to go back to.
+    live_state(tmp_path)
+    snapshot = Path(keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z").stdout.strip())
+    before = sorted(os.listdir(snapshot))
+
+    refused = keel(snapshot, "state", "restore", ".", "--state-dir", ".")
+
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        f"error: the state directory . is the snapshot {snapshot}; give --state-dir (or AGENT_STATE_DIR) the state"
+        " directory to restore it into\n"
+    )
+    assert sorted(os.listdir(snapshot)) == before
+
+
+def test_state_restore_refuses_an_empty_snapshot_rather_than_read_the_current_directory(tmp_path: Path) -> None:
+    live_state(tmp_path)
+
+    refused = keel(tmp_path, "state", "restore", "")
+
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == (
+        "error: SNAPSHOT must not be empty; give the snapshot directory that state snapshot printed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda root: root.write_bytes(b""), "it is a file, not a directory"),
+        (lambda root: root.symlink_to(root.name), "it cannot be reached (Too many levels of symbolic links)"),
+        (lambda root: root.symlink_to("nowhere"), "it is a symbolic link to nothing, not a directory"),
+    ],
+    ids=["a-file", "a-link-to-itself", "a-link-to-nothing"],
+)
+def test_state_snapshot_says_why_a_backup_root_cannot_be_used(tmp_path: Path, make: Callable[[Path], object], why: str) -> None:
+    live_state(tmp_path)
+    make(tmp_path / "vault")
+
+    refused = keel(tmp_path, "state", "snapshot", "--backup-root", "vault")
+
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        f"error: the backup root vault cannot be used: {why}; give --backup-root (or AGENT_BACKUP_ROOT) a directory this user"
+        " may write in\n"
+    )
+    assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["there", "to-be-made"])
+def test_state_snapshot_onto_a_read_only_backup_root_says_so_and_what_to_do(tmp_path: Path, made: bool) -> None:
+    live_state(tmp_path)
+    with small_disk(tmp_path / "ro", "1m") as disk:
+        (disk / "vault").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        refused = keel(tmp_path, "state", "snapshot", "--backup-root", "ro/vault" if made else "ro/vault/keel")
+
+    read_only = "its file system is read-only"
+    why = read_only if made else f"no directory can be made in {disk / 'vault'} ({read_only}), so it cannot be created"
+    assert refused.returncode == 1
+    assert refused.stderr == (
+        f"error: the backup root {'ro/vault' if made else 'ro/vault/keel'} cannot be used: {why};"
+        " give --backup-root (or AGENT_BACKUP_ROOT) a directory this user may write in\n"
+    )
 
 
 def test_state_snapshot_refuses_a_taken_timestamp(tmp_path: Path) -> None:
@@ -532,8 +615,7 @@ def test_state_restore_onto_a_full_disk_names_the_state_directory_and_changes_no
     snapshot = new_snapshot(tmp_path)
     with small_disk(tmp_path / "small", "1m") as small:
         state = small / "state"
-        make_db(state / "runtime.db", SESSIONS, "live")
-        make_db(state / "tasks.db", TASKS, "live")
+        live_databases(state)
         before = fingerprint(state)
         grow(snapshot.parent.parent / "source-20260102T030405Z" / "memory.db", 2 << 20)
         big = keel(tmp_path, "state", "snapshot", "--state-dir", "source-20260102T030405Z", "--timestamp", "20260103T000000Z")
