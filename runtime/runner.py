@@ -410,8 +410,9 @@ class Runner:
         state = task.status.state
         # Its run can take no more steers (its end not yet written, or its last answer on its way).
         ending = live is not None and (live.turn_over or live.steers.closed) and not state.is_terminal
+        resuming = live is not None and live.resuming and not state.is_terminal
         ahead = None if state.is_terminal or live is None or ending else self._turn_ahead(live)
-        if state.is_terminal or ending or ahead is not None:
+        if state.is_terminal or ending or resuming or ahead is not None:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
             if receipt is not None:
                 # Left as a steer while the task worked, but its record in the task failed (a
@@ -427,6 +428,11 @@ class Runner:
             raise UnsupportedOperation(
                 f"task {task_id!r} takes no more messages: its run is giving, or has given, its last answer; send this"
                 " message without a taskId, in the same contextId, to start the conversation's next task"
+            )
+        if resuming:
+            raise UnsupportedOperation(
+                f"task {task_id!r} is being taken up again after a restart of the server, which has yet to read where its"
+                " run stopped; send this message again in a moment"
             )
         if ahead is not None:
             # Stored now, it would be taken by the first look of the run ahead, and dropped there
@@ -698,6 +704,10 @@ class Runner:
             fresh = self._fresh.pop(task.context_id, None) == task.id
             messages = [] if fresh else await session.messages()
             turn, overtaken = _turn_of(messages, task.id)
+            if live.resuming:  # steers were refused until now: one taken for a turn already over would ride no request
+                async with live.steers.lock:
+                    live.resuming = False
+                    live.steers.closed = bool(turn) and (_answered(turn) or overtaken)
             if not turn:
                 # The turn's first run, or its process died before the question was saved.
                 messages.append(Transcribed(role="user", text=message_text(task.history[0]), turn_id=task.id))
@@ -794,6 +804,7 @@ class Runner:
             if self.config.orphans == "resume":
                 logger.info("resuming task %s left %s by a process that stopped", task.id, task.status.state.value)
                 live.steered = True  # the process that stopped may have stored steers for it
+                live.resuming = True
                 queued = trio.Event()
                 self._in_line[task.id] = (last_in_line.get(task.context_id), queued)
                 last_in_line[task.context_id] = queued

@@ -226,6 +226,9 @@ class LiveTask:
     turn_over: bool = False  # its run has let the turn go: it is ending (its end being written)
     steers: SteerGate = attrs.field(factory=SteerGate)  # where its run and the steers sent to it meet
     steered: bool = False  # steers may be stored for its run, which may end without taking them
+    # Taken up after a restart, its run has not yet read where its turn stands: whether a request
+    # is left to carry a steer (none is, when its answer was stored before the process stopped).
+    resuming: bool = False
     # Each subscriber's receive side -> its send side, so that leaving drops both at once.
     _subscribers: dict[trio.MemoryReceiveChannel[StreamItem], trio.MemorySendChannel[StreamItem]] = attrs.field(
         init=False, factory=dict

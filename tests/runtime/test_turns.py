@@ -23,8 +23,9 @@ from persistence.tasks import SqliteTaskStore, open_task_store
 from persistence.transcript import Message as Transcribed
 from persistence.transcript import ToolCall
 from persistence.writer import running
-from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart
+from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart, UnsupportedOperation
 from runtime.agent import AgentSpec
+from runtime.agent.steers import steer_message
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import ANONYMOUS, Runner
 from runtime.tasks import STORED_VERSION, encode, message_text, new_id, now
@@ -110,14 +111,14 @@ async def test_a_turn_whose_process_died_before_saving_its_question_saves_it_onc
         assert [(m.text, m.turn_id) for m in stored[2:]] == [(QUESTION, task_id), ("Yes, at noon.", "")]
 
 
+def answered_before_the_crash(task_id: str) -> list[Transcribed]:
+    return [Transcribed(role="user", text=QUESTION, turn_id=task_id), Transcribed(role="assistant", text="Yes.")]
+
+
 async def test_a_turn_whose_process_died_after_saving_its_answer_completes_without_asking_again(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
-    task_id = await left_by_a_dead_process(
-        tmp_path,
-        TaskState.WORKING,
-        lambda task_id: [Transcribed(role="user", text=QUESTION, turn_id=task_id), Transcribed(role="assistant", text="Yes.")],
-    )
+    task_id = await left_by_a_dead_process(tmp_path, TaskState.WORKING, answered_before_the_crash)
     async with runner_over(tmp_path, fake_model) as (runner, _, _):
         with trio.fail_after(DEADLINE_S):
             settled = await runner.wait_settled(ANONYMOUS, task_id)
@@ -326,3 +327,45 @@ async def test_a_task_cancelled_while_its_turn_reads_the_transcript_is_never_wri
         runner.stop()
     assert tasks.states == [TaskState.CANCELED.wire_name(STORED_VERSION)]
     assert len(fake_model.bodies) == 1  # the first turn's; the canceled one never asked
+
+
+async def test_a_steer_to_a_resumed_task_whose_answer_was_stored_is_refused_or_taken_never_left_untaken(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # Its process died after the answer was saved, before the task said so. Steered while the
+    # restarted run reads its transcript (a client back as soon as the server is), the steer
+    # was taken, and the task then completed on the stored answer: no request ever carried it.
+    task_id = await left_by_a_dead_process(tmp_path, TaskState.WORKING, answered_before_the_crash)
+    fake_model.default = Reply(text="Yes, at noon.")
+    sessions = await HeldRead.open(tmp_path / "runtime.db")
+    sessions.hold = True
+    async with (
+        running(sessions),
+        open_task_store(tmp_path / "tasks.db") as tasks,
+        open_model_client(ModelConfig(base_url=fake_model.base_url, max_retries=0)) as client,
+        trio.open_nursery() as nursery,
+    ):
+        runner: Runner = await nursery.start(Runner(sessions, tasks, client, AgentSpec()).run)
+        with trio.fail_after(DEADLINE_S):
+            await sessions.entered.wait()  # the resumed run reads its transcript
+        steer = attrs.evolve(question("At what time?"), task_id=task_id)
+        try:
+            await runner.send(ANONYMOUS, SendMessageParams(message=steer))
+        except UnsupportedOperation as exc:
+            refused: str | None = str(exc)
+        else:
+            refused = None
+        sessions.release.set()
+        with trio.fail_after(DEADLINE_S):
+            settled = await runner.wait_settled(ANONYMOUS, task_id)
+        sessions.hold = False
+        stored = [m.text for m in await sessions.messages("ctx-1")]
+        runner.stop()
+    assert settled.status.state is TaskState.COMPLETED
+    if refused is not None:
+        assert f"task {task_id!r}" in refused and "send this message again" in refused, refused
+        assert [user_texts(body) for body in fake_model.bodies] == []
+        assert steer.message_id not in [m.message_id for m in settled.history]
+    else:  # taken: a request carried it, after the stored answer
+        assert [user_texts(body)[-1] for body in fake_model.bodies] == [steer_message("At what time?").text]
+        assert stored == [QUESTION, "Yes.", steer_message("At what time?").text, "Yes, at noon."]
