@@ -271,7 +271,13 @@ class Runner:
             if receipt is not None:  # a steer sent again, without its task's id: it starts nothing
                 return await self._steered_before(owner, params, receipt)
         text = readable_text(message)
-        self._refuse_if_stopping()
+        if self._stopping.is_set():
+            # Sent again as the server drains (its answer lost, say): the task it started is
+            # given back. Only a message that would start a task is refused.
+            started = await self.tasks.started_by(owner, message.message_id)
+            if started is not None:
+                return await self._sent_before(owner, message, started)
+            raise UnsupportedOperation(STOPPING)
         task_id = new_id()
         self._refuse_oversize(Transcribed(role="user", text=text, turn_id=task_id))
         context_id = message.context_id or new_id()
@@ -605,10 +611,6 @@ class Runner:
         return live.task
 
     # -- runs -------------------------------------------------------------------------------------
-
-    def _refuse_if_stopping(self) -> None:
-        if self._stopping.is_set():
-            raise UnsupportedOperation(STOPPING)
 
     def _start(self, live: LiveTask) -> bool:
         """Start the task's run in the runner's nursery; False if the runner has stopped."""

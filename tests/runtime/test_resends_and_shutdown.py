@@ -15,7 +15,7 @@ from fake_model import Reply
 from persistence.api import TaskRecord
 from persistence.memory import MemorySessionStore, MemoryTaskStore
 from persistence.sessions import SqliteSessionStore
-from protocol import Message, Role, SendMessageParams, Task, TaskNotCancelable, TaskState, TextPart
+from protocol import Message, Role, SendMessageParams, Task, TaskNotCancelable, TaskState, TextPart, UnsupportedOperation
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import decode, new_id
@@ -202,3 +202,23 @@ async def test_a_steer_sent_again_without_its_task_id_while_it_is_still_being_ta
     assert listed.total_size == 1, "the message started a task of its own"
     assert [m.message_id for m in done.history].count(steer.message_id) == 1
     assert done.status.state is TaskState.COMPLETED
+
+
+async def test_a_message_sent_again_during_the_drain_gets_its_task_back_and_a_new_one_is_refused(tmp_path: Path) -> None:
+    # A client whose answer was lost sends its message again as the server drains: the task it
+    # started is there to give back. Only a message that would start a new task is refused.
+    hold = trio.Event()
+    model = ScriptedModel([Answer("Rolling back the deploy now.", hold=hold)])
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    async with runner_over_files(tmp_path, model, lambda store: store) as (runner, _, tasks):
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+        with trio.fail_after(DEADLINE_S):
+            while decode(await tasks.get(ANONYMOUS, task.id)).status.state is not TaskState.WORKING:
+                await trio.sleep(0.01)
+        runner.stop()  # the drain begins; the run goes on
+
+        again = await runner.send(ANONYMOUS, SendMessageParams(message=question))
+        with pytest.raises(UnsupportedOperation, match="shutting down and takes no new tasks"):
+            await runner.send(ANONYMOUS, SendMessageParams(message=attrs.evolve(question, message_id=new_id())))
+        hold.set()
+    assert (again.id, again.status.state) == (task.id, TaskState.WORKING)
