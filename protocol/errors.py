@@ -132,6 +132,10 @@ END_NOT_STORED = (
     "its final state could not be stored yet; the server keeps trying, and until then GetTask shows it as last stored "
     "(the server log has the details)"
 )
+END_LEFT_FOR_NEXT = (
+    "the server is shutting down with its final state not stored; the next server to start on the same state resumes "
+    "the task, so poll GetTask once it is up (the server log has the details)"
+)
 
 
 class StorageFailed(InternalError):
@@ -160,9 +164,9 @@ class TaskUnreadable(InternalError):
 class EndNotStored(InternalError):
     """A task's run ended, but its final state could not be stored: the answer to a blocking send."""
 
-    def __init__(self, task_id: str) -> None:
+    def __init__(self, task_id: str, why: str = END_NOT_STORED) -> None:
         self.task_id = task_id
-        ProtocolError.__init__(self, f"task {task_id!r} ended, but {END_NOT_STORED}")
+        ProtocolError.__init__(self, f"task {task_id!r} ended, but {why}")
 
 
 class StreamCut(InternalError):

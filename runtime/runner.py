@@ -22,6 +22,7 @@ from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
     DEFAULT_PAGE_SIZE,
+    END_LEFT_FOR_NEXT,
     ContextMismatch,
     EndNotStored,
     InvalidParams,
@@ -604,7 +605,7 @@ class Runner:
             return await self.get(owner, task_id)
         await live.settled.wait()
         if not live.end_stored:
-            raise EndNotStored(task_id)
+            raise EndNotStored(task_id, live.end_not_stored)
         # The run's snapshot is what its last write stored (LiveTask changes it only once that
         # write is durable), so it is not read back: a store read and a decode less per blocking
         # send, about a seventh of its CPU in scripts/bench/a2a.py.
@@ -635,7 +636,7 @@ class Runner:
             final = _settle(TaskState.FAILED, "The task failed with an internal error.")
         finally:
             if final is None and self._cut_from_outside(live):  # left as stored, for the next process
-                live.close(end_stored=False)
+                live.close(end_stored=False, why=END_LEFT_FOR_NEXT)
             else:
                 if final is None:  # cancelled: by CancelTask, or by shutdown (after the drain, or cutting it short)
                     final = SHUT_DOWN if self._stopping.is_set() else CANCELED
@@ -671,13 +672,15 @@ class Runner:
                     logger.info("task %s: its final state is stored now", live.task.id)
                 return True
             except (store_errors.StoreError, TimeoutError, TaskNotFound) as exc:
+                if self._stopping.is_set():  # not tried again: said so, to the log and to whoever waits
+                    logger.warning(
+                        "task %s: its final state is not stored; the next process to start resumes it: %s", live.task.id, exc
+                    )
+                    live.close(end_stored=False, why=END_LEFT_FOR_NEXT)
+                    return False
                 if live.end_stored:  # the first failure: said once, to the log and to whoever waits
                     logger.error("task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc)
                     live.close(end_stored=False)
-            if self._stopping.is_set():
-                logger.warning("task %s: its final state is not stored; the next process to start resumes it", live.task.id)
-                live.close(end_stored=False)
-                return False
             delay = min(max(2 * delay, END_RETRY_FIRST_S), END_RETRY_MAX_S)
             with trio.move_on_after(delay):
                 await self._stopping.wait()

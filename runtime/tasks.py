@@ -223,6 +223,7 @@ class LiveTask:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     settled: trio.Event = attrs.field(factory=trio.Event)  # a terminal state is on disk, or could not be written
     end_stored: bool = True  # False once the run's final state could not be written
+    end_not_stored: str = END_NOT_STORED  # then, what its clients are told of it
     turn_over: bool = False  # its run has let the turn go: it is ending (its end being written)
     steers: SteerGate = attrs.field(factory=SteerGate)  # where its run and the steers sent to it meet
     steered: bool = False  # steers may be stored for its run, which may end without taking them
@@ -290,7 +291,7 @@ class LiveTask:
         send.send_nowait(self.as_seen())  # joining mid-answer: the text so far in it, then the pieces to come
         if self.settled.is_set():
             if not self.end_stored:
-                send.send_nowait(StreamCut(self.task.id, END_NOT_STORED))
+                send.send_nowait(StreamCut(self.task.id, self.end_not_stored))
             send.close()
             return receive
         self._subscribers[receive] = send
@@ -369,16 +370,17 @@ class LiveTask:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._drop(receive)
 
-    def close(self, *, end_stored: bool = True) -> None:
+    def close(self, *, end_stored: bool = True, why: str = END_NOT_STORED) -> None:
         """The task has settled: end every subscription after what was already sent. The run may
         still be ending (saving a partial answer); nothing it publishes now is sent. With
         ``end_stored=False`` (the run's final state could not be written) each subscription ends
-        instead with a StreamCut saying so, and a blocking send is told the same (EndNotStored),
+        instead with a StreamCut saying ``why``, and a blocking send is told the same (EndNotStored),
         until a later write of the end succeeds and closes it again."""
         cut = None
         self.end_stored = end_stored
         if not end_stored:
-            cut = StreamCut(self.task.id, END_NOT_STORED)
+            self.end_not_stored = why
+            cut = StreamCut(self.task.id, why)
         self.settled.set()
         for receive in list(self._subscribers):
             self._drop(receive, cut)

@@ -15,10 +15,12 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 from fake_model import ErrorReply, FakeModel, Reply
 
 from protocol import (
     Artifact,
+    EndNotStored,
     ProtocolError,
     ProtocolVersion,
     SseParser,
@@ -36,7 +38,7 @@ from runtime.runner import ANONYMOUS, Runner
 from runtime.surface import SurfaceConfig
 from runtime.surface.streams import TaskEventStream
 from runtime.tasks import SUBSCRIBER_BUFFER, LiveTask, StreamItem, encode, new_id, now
-from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, message, serve_keel
+from tests.runtime.served import DEADLINE_S, GATE_CALL, Served, fill_tasks_disk, message, serve_keel
 
 V1 = "1.0"
 V03 = None
@@ -537,3 +539,35 @@ async def test_a_subscriber_that_comes_after_the_answer_was_sent_gets_the_whole_
     receive = empty.subscribe()
     first = receive.receive_nowait()
     assert isinstance(first, Task) and [artifact.parts for artifact in first.artifacts] == [(TextPart(""),)]
+
+
+async def test_a_stream_whose_task_end_cannot_be_stored_as_the_server_stops_says_the_next_server_resumes_it(
+    keel: Served,
+) -> None:
+    # Told "the server keeps trying", a client would wait on a server that is about to exit; the
+    # server leaves the task as stored, for the next one on its state to resume.
+    keel.model.script = [Reply(tool_calls=[GATE_CALL])]
+    told: list[EndNotStored] = []
+
+    async def wait_as_a_blocking_send_does(task_id: str) -> None:
+        with pytest.raises(EndNotStored) as raised:
+            await keel.runner.wait_settled(ANONYMOUS, task_id)
+        told.append(raised.value)
+
+    async with keel.stream("SendStreamingMessage", {"message": message("Rotate the staging keys")}) as events:
+        first = await events.next()
+        assert first is not None
+        task_id = first["result"]["task"]["id"]
+        await keel.gate.wait_entered()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_as_a_blocking_send_does, task_id)
+            await trio.testing.wait_all_tasks_blocked()
+            fill_tasks_disk(keel.state_dir, for_text="staging keys")
+            keel.runner.stop()  # the drain runs out, and the run's CANCELED cannot be stored
+            last = (await events.rest())[-1]
+    said = last["error"]["message"]
+    assert last["error"]["code"] == -32603 and task_id in said
+    assert "keeps trying" not in said and "the server is shutting down" in said and "resumes the task" in said
+    assert [str(error) for error in told] == [
+        said.replace(f"the event stream of task {task_id!r} ended before the task did: ", f"task {task_id!r} ended, but ")
+    ]
