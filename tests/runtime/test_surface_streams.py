@@ -115,6 +115,23 @@ async def test_the_task_arrives_before_the_model_answers(keel: Served) -> None:
     assert state(frames[-1]) == "TASK_STATE_CANCELED"
 
 
+async def test_a_steer_adds_no_status_update_to_a_stream_of_its_task(keel: Served) -> None:
+    # Its message goes to the task's history, which no stream event carries; the status it left
+    # unchanged was sent again to every stream, the same state at the same time.
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Used the staging runbook.")]
+    task = await keel.send("Fix checkout", blocking=False)
+    await keel.gate.wait_entered()
+    async with keel.stream("SubscribeToTask", {"id": task["id"]}) as events:
+        first = await events.next()
+        assert first is not None
+        await keel.send("Use the staging runbook", blocking=False, taskId=task["id"])
+        keel.gate.opened.set()
+        frames = results(await events.rest())
+    updates = [body(f)["status"] for f in frames if kind(f) == "statusUpdate"]
+    assert [status["state"] for status in updates] == ["TASK_STATE_COMPLETED"]
+    assert (await keel.result("GetTask", {"id": task["id"]}))["history"][1]["parts"] == [{"text": "Use the staging runbook"}]
+
+
 @BOTH
 async def test_subscribe_follows_a_working_task_to_its_end(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
