@@ -89,13 +89,21 @@ class JsonReader:
                 )
         return MISSING if found is None else found
 
+    def sent(self, key: str) -> object:
+        """What the client sent under ``key``, for an error to describe: as ``value``, but None
+        for a field sent as null, which ``value`` takes for absent (MISSING)."""
+        found = self.value(key)
+        if found is MISSING and (key in self.obj or (self.proto_names and proto_name(key) in self.obj)):
+            return None
+        return found
+
     def has(self, key: str) -> bool:
         return self.value(key) is not MISSING
 
     def string(self, key: str) -> str:
         found = self.value(key)
         if not isinstance(found, str) or not found:
-            raise InvalidParams(self.at(key), "a non-empty string", got=found)
+            raise InvalidParams(self.at(key), "a non-empty string", got=self.sent(key))
         return found
 
     def opt_string(self, key: str) -> str | None:
@@ -111,7 +119,7 @@ class JsonReader:
         """A required string that may be empty (the ``text`` of a part)."""
         found = self.value(key)
         if not isinstance(found, str):
-            raise InvalidParams(self.at(key), "a string", got=found)
+            raise InvalidParams(self.at(key), "a string", got=self.sent(key))
         return found
 
     def opt_bool(self, key: str) -> bool | None:
@@ -148,7 +156,7 @@ class JsonReader:
         return found
 
     def child(self, key: str) -> JsonReader:
-        return JsonReader.of(self.value(key), self.at(key), proto_names=self.proto_names)
+        return JsonReader.of(self.sent(key), self.at(key), proto_names=self.proto_names)
 
     def opt_child(self, key: str) -> JsonReader | None:
         return self.child(key) if self.has(key) else None
@@ -160,7 +168,7 @@ class JsonReader:
             return []
         if not isinstance(found, list) or (required and not found):
             expected = "a non-empty array" if required else "an array"
-            raise InvalidParams(self.at(key), expected, got=found)
+            raise InvalidParams(self.at(key), expected, got=self.sent(key))
         return [(f"{self.at(key)}[{index}]", item) for index, item in enumerate(found)]
 
     def strings(self, key: str) -> tuple[str, ...]:
@@ -194,7 +202,7 @@ class JsonReader:
                 return base64.b64decode(standard + "=" * (-len(standard) % 4), validate=True)
             except binascii.Error:
                 pass
-        raise InvalidParams(self.at(key), "a base64 string", got=found)
+        raise InvalidParams(self.at(key), "a base64 string", got=self.sent(key))
 
 
 INT32_MAX = 2**31 - 1

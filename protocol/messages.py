@@ -68,7 +68,7 @@ class Message:
             reader.literal("kind", "message")
         return cls(
             message_id=reader.string("messageId"),
-            role=Role.from_wire(reader.value("role"), version, field=reader.at("role")),
+            role=Role.from_wire(reader.sent("role"), version, field=reader.at("role")),
             parts=[
                 part_from_json(item, version, item_path) for item_path, item in reader.items("parts", required=True)
             ],

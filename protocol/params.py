@@ -95,7 +95,7 @@ class SendMessageParams:
         reader = JsonReader.of(params, "", proto_names=not version.is_legacy)
         configuration = reader.opt_child("configuration")
         _check_part_count(reader.value("message"))  # before any part is read
-        message = Message.from_json(reader.value("message"), version, "message")
+        message = Message.from_json(reader.sent("message"), version, "message")
         _check_ids(message)
         return cls(
             message=message,

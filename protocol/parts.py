@@ -110,7 +110,7 @@ def _part_v03(reader: JsonReader) -> Part:
     if kind == "data":
         data = reader.opt_object("data")
         if data is None:
-            raise InvalidParams(reader.at("data"), "an object", got=reader.value("data"))
+            raise InvalidParams(reader.at("data"), "an object", got=reader.sent("data"))
         return DataPart(data, None, metadata)
     if kind == "file":
         file = reader.child("file")

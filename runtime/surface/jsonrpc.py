@@ -111,8 +111,8 @@ class JsonRpcEndpoint:
         if not _is_json(request.content_type):
             error = InvalidRequest(f"the body must be sent as {JSON_TYPE}, not {request.content_type!r}")
             return _refusal(error_response(None, error, response_version(None, header)))
-        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding != "identity":
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in ("", "identity"):  # an empty list of codings is none (RFC 9110 8.4)
             error = InvalidRequest(f"a body in Content-Encoding {encoding!r} cannot be read here; send it uncompressed")
             return _refusal(error_response(None, error, response_version(None, header)))
         try:

@@ -1098,6 +1098,28 @@ async def test_a_compressed_body_is_refused_with_a_json_rpc_error_saying_so(keel
     assert "Content-Encoding 'gzip'" in error["message"] and "uncompressed" in error["message"]
 
 
+async def test_an_empty_content_encoding_is_no_encoding_and_the_body_is_read(keel: Served) -> None:
+    # RFC 9110 allows the list of codings to be empty: the body is as sent, as with "identity".
+    response = await post_raw(keel, GET_TASK_X, "application/json", **{"A2A-Version": "1.0", "Content-Encoding": ""})
+    check_error(response.json()["error"], -32001, V1, "TASK_NOT_FOUND")
+
+
+@BOTH
+async def test_a_field_sent_as_null_is_said_to_be_null_not_missing(keel: Served, version: str | None) -> None:
+    error = await keel.error(GET[version], {"id": None}, version=version)
+    assert error["message"] == "invalid params: 'id' must be a non-empty string, got null", error
+    error = await keel.error(SEND[version], {"message": None}, version=version)
+    assert error["message"] == "invalid params: 'message' must be an object, got null", error
+
+
+async def test_a_v03_data_part_of_null_is_said_to_be_null(keel: Served) -> None:
+    part = {"kind": "data", "data": None}
+    error = await keel.error("message/send", {"message": {**message("x", V03), "parts": [part]}}, version=V03)
+    assert error["message"] == "invalid params: 'message.parts[0].data' must be an object, got null", error
+    error = await keel.error("message/send", {"message": {**message("x", V03), "parts": [{"kind": "data"}]}}, version=V03)
+    assert error["message"].endswith("got nothing (the field is missing)"), error
+
+
 async def test_a_number_too_long_to_read_is_a_parse_error_that_names_no_python_setting(keel: Served) -> None:
     body = b'{"jsonrpc":"2.0","id":1,"method":"GetTask","params":{"id":"x","historyLength":' + b"9" * 5000 + b"}}"
     error = (await post_raw(keel, body, "application/json", **{"A2A-Version": "1.0"})).json()["error"]
