@@ -242,6 +242,11 @@ _NO_PATH_HINT = (
 )
 # A redirect is not followed (a POST would be sent again as a GET, a key to another host):
 # the base URL is to say where the server is.
+# How servers refuse a request that holds more tokens than the model reads at once: OpenAI's
+# code, vLLM's words, llama.cpp's (error type and words), and those of others like them.
+_TOO_LONG_MARKERS = ("context_length_exceeded", "maximum context length", "context length", "context size", "context window")
+_TOO_LONG = "the conversation is longer than the model can read at once"
+_TOO_LONG_HINT = "; send the next message without a contextId, to start a new conversation"
 _REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
 # A body of text/html: a proxy's or a login page's, not the API's.
 WEB_PAGE = "the server answered with a web page (text/html)"
@@ -409,6 +414,9 @@ class ModelClient:
             error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
             return _Failure(error, retry=True, retry_after_s=retry_after_s)
         if status >= 400:
+            if status in (400, 413, 422) and any(marker in detail.lower() for marker in _TOO_LONG_MARKERS):
+                error = ModelRejected(model, status, detail=detail, attempts=attempt, meaning=_TOO_LONG, hint=_TOO_LONG_HINT)
+                return _Failure(error, retry=False)
             hint = _NO_PATH_HINT if status == 404 and urlsplit(self.config.base_url).path in ("", "/") else ""
             error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=self._credentials_sent(), hint=hint)
             return _Failure(error, retry=False)

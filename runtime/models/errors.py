@@ -83,11 +83,13 @@ _WHO_ASKS = {
 
 class ModelRejected(ModelError):
     def __init__(
-        self, model: str, status: int, *, detail: str = "", attempts: int = 1, sent: str | None = "the API key", hint: str = ""
-    ) -> None:
+        self, model: str, status: int, *, detail: str = "", attempts: int = 1, sent: str | None = "the API key", hint: str = "",
+        meaning: str | None = None,
+    ) -> None:  # fmt: skip
         """``sent``: what the request carried to say who asks (the API key, or the base URL's
-        credentials), or None when it carried nothing. ``hint``: what may be wrong, to follow."""
-        meaning = _REJECTIONS.get(status, "the server refused the request")
+        credentials), or None when it carried nothing. ``hint``: what may be wrong, to follow.
+        ``meaning``: why, where the server's answer told more than its status."""
+        meaning = meaning or _REJECTIONS.get(status, "the server refused the request")
         if status in (401, 403) and sent != "the API key":
             meaning = _WHO_ASKS[status, sent]
         reason = f"{meaning} (HTTP {status}){hint}"

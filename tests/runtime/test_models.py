@@ -344,6 +344,35 @@ async def test_rejected_request_is_not_retried(fake_model: FakeModel) -> None:
     assert "context length exceeded" in raised.value.detail
 
 
+@pytest.mark.parametrize(
+    "said",
+    [
+        # vLLM, and OpenAI's own (its code: context_length_exceeded)
+        '{"object": "error", "message": "This model\'s maximum context length is 4096 tokens. However, you requested'
+        ' 5210 tokens (4186 in the messages, 1024 in the completion).", "type": "BadRequestError", "code": 400}',
+        '{"error": {"message": "Input too long.", "type": "invalid_request_error", "code": "context_length_exceeded"}}',
+        # llama.cpp's server
+        '{"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it",'
+        ' "type": "exceed_context_size_error", "n_prompt_tokens": 5210, "n_ctx": 4096}}',
+    ],
+    ids=["vllm", "openai", "llama.cpp"],
+)
+async def test_a_conversation_longer_than_the_model_reads_is_said_to_be_so_and_what_to_do(
+    fake_model: FakeModel, said: str
+) -> None:
+    # Every later turn of the conversation is refused the same way: the way on is a new one.
+    fake_model.default = ErrorReply(400, body=said)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelRejected) as raised:
+                await client.complete(ASK)
+    assert raised.value.reason == (
+        "the conversation is longer than the model can read at once (HTTP 400); send the next message without a"
+        " contextId, to start a new conversation"
+    )
+    assert "tokens" not in str(raised.value) and "context size" not in str(raised.value)  # the server's words stay in the log
+
+
 async def test_model_missing_from_the_server_is_rejected_as_not_found(fake_model: FakeModel) -> None:
     with trio.fail_after(DEADLINE_S):
         async with open_model_client(config_for(fake_model, model="mistral:7b")) as client:

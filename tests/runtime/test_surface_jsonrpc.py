@@ -405,6 +405,18 @@ async def test_a_model_that_fails_fails_the_task_with_words_that_name_nothing_of
     assert (await keel.result("GetTask", {"id": task["id"]}))["status"] == task["status"]
 
 
+async def test_a_conversation_the_model_can_no_longer_read_fails_its_task_saying_to_start_a_new_one(keel: Served) -> None:
+    too_long = '{"object": "error", "message": "This model\'s maximum context length is 4096 tokens.", "code": 400}'
+    keel.model.script = [Reply(text="Noted."), ErrorReply(400, body=too_long)]
+    first = await keel.send("Here is the whole incident log: ...")
+    task = await keel.send("And now?", contextId=first["contextId"])
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    said = task["status"]["message"]["parts"][0]["text"]
+    assert "the conversation is longer than the model can read at once" in said, said
+    assert said.endswith("send the next message without a contextId, to start a new conversation"), said
+    assert "4096" not in said
+
+
 # -- turns ------------------------------------------------------------------------------------
 
 
