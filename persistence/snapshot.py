@@ -185,7 +185,8 @@ def _claim_stamp(backup_root: Path, stamp: str) -> Iterator[None]:
             raise SnapshotError(f"another process is writing snapshot {stamp} in {backup_root}")
         if os.path.lexists(backup_root / stamp):
             raise SnapshotError(
-                f"a snapshot named {stamp} already exists in {backup_root}; snapshots are never overwritten"
+                f"a snapshot named {stamp} already exists in {backup_root}; snapshots are never overwritten:"
+                " give another --timestamp, or, with none, take it again a second later"
             )
         yield
 

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from persistence.errors import StoreError
@@ -31,16 +32,29 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_setting_flags(serve)
     serve.set_defaults(func=_serve, parser=serve, takes_held_signals=True)  # see _watch_signals
     check = subparsers.add_parser(
-        "check", help="validate the configuration and print every problem at once (exit 1 if any)"
+        "check",
+        help="validate the configuration and print every problem at once (exit 1 if any)",
+        description="Validate the configuration as serve would take it, trying what only trying tells (the "
+        "host and port, the state directory), and print every problem at once (exit 1), or every setting (exit 0).",
     )
     _add_setting_flags(check)
     check.set_defaults(func=_check, parser=check)
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = {field.name: field.default for field in attrs.fields(Config)}
     for setting in SETTINGS:
         if setting.flag is not None:
-            parser.add_argument(setting.flag, dest=setting.field, metavar="VALUE", help=f"{setting.help} (${setting.env})")
+            shown = f"{setting.help} ({_shown_default(defaults[setting.field])}${setting.env})"
+            parser.add_argument(setting.flag, dest=setting.field, metavar="VALUE", help=shown)
+    only = [f"{setting.env}, {setting.help}" for setting in SETTINGS if setting.flag is None]
+    parser.epilog = f"Set in the environment only: {'; '.join(only)}."
+
+
+def _shown_default(default: object) -> str:
+    if default is None:
+        return ""
+    return f"default {default:g}; " if isinstance(default, float) else f"default {default}; "
 
 
 def _load(args: argparse.Namespace, *, probe: bool = False) -> Config:
@@ -139,11 +153,15 @@ async def _main(config: Config, **options: Any) -> None:
 
 def _announce(line: str) -> None:
     """Print ``line`` on stdout. The server serves whether or not it can (a reader that has gone,
-    a full disk): stdout carries this line alone, and the log says where it serves too."""
+    a full disk, none at all): stdout carries this line alone, and the log says where it serves too."""
+    cannot = "standard output cannot be written (%s); %s all the same"
+    if sys.stdout is None:  # started with it closed (`serve >&-`): print would drop the line unsaid
+        logging.getLogger(__name__).warning(cannot, "it is closed", line)
+        return
     try:
         print(line, flush=True)
     except OSError as exc:
-        logging.getLogger(__name__).warning("standard output cannot be written (%s); %s all the same", os_error_text(exc), line)
+        logging.getLogger(__name__).warning(cannot, os_error_text(exc), line)
         with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor has nothing to redirect
             # What stayed in its buffer goes nowhere, rather than fail again as the process exits.
             devnull = os.open(os.devnull, os.O_WRONLY)

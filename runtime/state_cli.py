@@ -64,7 +64,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _add_state_dir(recover_cmd)
     recover_cmd.set_defaults(func=_guarded(_recover), parser=recover_cmd)
 
-    reset = actions.add_parser("reset", help="remove all runtime state (refused while any process holds it)")
+    reset = actions.add_parser(
+        "reset",
+        help="delete everything in the state directory but its lock files, Keel's or not, without asking "
+        "(refused while a process holds it, or where nothing is Keel's)",
+    )
     _add_state_dir(reset)
     reset.set_defaults(func=_guarded(_reset), parser=reset)
 

@@ -20,8 +20,11 @@ Standalone, for demos (one reply to every request, forever)::
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
@@ -405,6 +408,11 @@ def main(argv: list[str] | None = None) -> None:
         trio.run(_serve_forever, fake, args.host, args.port)
     except* KeyboardInterrupt:  # raised inside the server's nursery, so it comes in a group
         pass  # Ctrl-C is how a demo server is meant to stop
+    except* OSError as group:  # one line, not the nurseries' traceback, for the usual mistake
+        if group.subgroup(lambda exc: getattr(exc, "errno", None) == errno.EADDRINUSE) is None:
+            raise
+        reason = os.strerror(errno.EADDRINUSE)
+        sys.exit(f"error: cannot listen on {args.host}:{args.port}: {reason}; stop what listens there, or give another --port")
 
 
 if __name__ == "__main__":

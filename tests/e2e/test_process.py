@@ -598,20 +598,29 @@ async def test_a_signal_while_serve_loads_its_modules_ends_the_start_as_one_a_mo
     assert f"{sig.name} before the server was serving: not starting" in said.decode()
 
 
-async def test_serve_keeps_serving_when_its_standard_output_cannot_be_written(tmp_path: Path, fake_model: FakeModel) -> None:
-    # `serve | head -0`, or stdout on a full disk: the line saying where it serves cannot be
-    # written. The server went down saying "error: Broken pipe", as if its storage had failed.
+@pytest.mark.parametrize(
+    ("started_by", "reason"),
+    [
+        ((), "Broken pipe"),  # `serve | head -0`, or stdout on a full disk
+        (("sh", "-c", 'exec "$@" >&-', "sh"), "it is closed"),  # `serve >&-`: the line went nowhere, unlogged
+    ],
+    ids=["broken", "closed"],
+)
+async def test_serve_keeps_serving_when_its_standard_output_cannot_be_written(
+    tmp_path: Path, fake_model: FakeModel, started_by: tuple[str, ...], reason: str
+) -> None:
+    # The line saying where it serves cannot be written. The server went down saying
+    # "error: Broken pipe", as if its storage had failed.
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        process = await trio.lowlevel.open_process(
-            serve_command(tmp_path / "state", fake_model.base_url), stdout=write_end, stderr=subprocess.PIPE, env=child_env()
-        )
+        command = [*started_by, *serve_command(tmp_path / "state", fake_model.base_url)]
+        process = await trio.lowlevel.open_process(command, stdout=write_end, stderr=subprocess.PIPE, env=child_env())
     finally:
         os.close(write_end)
     assert process.stderr is not None
     said = b""
-    warned = re.compile(rb"standard output cannot be written \(Broken pipe\); keel serving A2A at (\S+) ")
+    warned = re.compile(rb"standard output cannot be written \(" + reason.encode() + rb"\); keel serving A2A at (\S+) ")
     with trio.fail_after(STARTUP_DEADLINE_S):
         while not (found := warned.search(said)):
             chunk = await process.stderr.receive_some(65536)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -52,3 +53,20 @@ async def test_the_fake_model_server_stops_quietly_at_ctrl_c() -> None:
         async for chunk in process.stdout:
             said += chunk
     assert b"Traceback" not in said, said.decode()
+
+
+async def test_the_fake_model_server_on_a_port_in_use_says_so_in_one_line() -> None:
+    # The README starts it on port 8000 twice: the second time, with the first one still there,
+    # it ended in a page of nested exception groups.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", str(port)]
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            done = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 1
+    assert done.stdout == b""
+    assert done.stderr.decode().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use; stop what listens there, or give another --port"
+    ]

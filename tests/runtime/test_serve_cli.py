@@ -74,6 +74,30 @@ def test_an_unknown_flag_is_refused_with_the_usage_of_the_command_it_was_given_t
     assert result.stderr.rstrip().endswith(f"{usage}: error: unrecognized arguments: --bogus")
 
 
+@pytest.mark.parametrize("command", ["serve", "check"])
+def test_the_help_gives_each_setting_its_default_and_names_those_only_the_environment_gives(command: str) -> None:
+    # The defaults, and the API key a hosted model needs, were in the README alone.
+    helped = subprocess.run([sys.executable, "-m", "runtime", command, "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0
+    said = " ".join(helped.stdout.split())  # as argparse wraps it
+    for shown in [
+        "(default 127.0.0.1; $AGENT_HOST)",
+        "(default 8080; $AGENT_PORT)",
+        "(default .state; $AGENT_STATE_DIR)",
+        "(default http://127.0.0.1:11434/v1; $AGENT_MODEL_BASE_URL)",
+        "(default qwen3:4b-instruct; $AGENT_MODEL)",
+        "on ($AGENT_PUBLIC_URL)",
+        "(default 10; $AGENT_DRAIN_TIMEOUT_S)",
+        "(default 12; $AGENT_MAX_MODEL_CALLS)",
+        "(default 60; $AGENT_MODEL_TIMEOUT_S)",
+        "(default 100; $AGENT_MAX_MODEL_CONNECTIONS)",
+        "(default resume; $AGENT_ORPHANS)",
+        "(default 30; $AGENT_SEND_TIMEOUT_S)",
+        "Set in the environment only: AGENT_MODEL_API_KEY, bearer token for the model API.",
+    ]:
+        assert shown in said
+
+
 def test_the_agent_card_reads_the_installed_version_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # Read from the package's metadata on disk: once (in a thread, as the server starts), never
     # on the event loop for each card request.

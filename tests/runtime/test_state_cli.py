@@ -344,12 +344,21 @@ def test_state_snapshot_onto_a_read_only_backup_root_says_so_and_what_to_do(tmp_
     )
 
 
+def test_state_help_says_reset_deletes_all_the_directory_holds_without_asking(tmp_path: Path) -> None:
+    # It said "remove all runtime state": not that files of other programs there go too.
+    said = " ".join(keel(tmp_path, "state", "--help").stdout.split())
+    assert "reset delete everything in the state directory but its lock files, Keel's or not, without asking" in said
+
+
 def test_state_snapshot_refuses_a_taken_timestamp(tmp_path: Path) -> None:
     live_state(tmp_path)
     assert keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z").returncode == 0
     again = keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z")
     assert again.returncode == 1
-    assert "a snapshot named 20260102T030405Z already exists" in again.stderr
+    assert again.stderr == (
+        f"error: a snapshot named 20260102T030405Z already exists in {tmp_path / '.state-backups'};"
+        " snapshots are never overwritten: give another --timestamp, or, with none, take it again a second later\n"
+    )
 
 
 @pytest.mark.parametrize(
