@@ -243,8 +243,8 @@ class LiveTask:
 
     async def persist(self, tasks: TaskStore, change: Callable[[Task], Task], *, urgent: bool = False) -> Task:
         """Apply ``change`` to the newest task, write the result (version-checked), then tell the
-        subscribers of its new status, if it has one; returns the task as written. A ``change`` that returns the task it was given
-        writes nothing. Once a terminal state is written the task has settled (see ``close``).
+        subscribers of its new status, if it has one; returns the task as written. A ``change``
+        that returns the task it was given writes nothing. Once a terminal state is written the task has settled (see ``close``).
         ``urgent`` asks the store to commit this write ahead of those queued (a cancel).
 
         One write at a time (the run and a steering request may both write), and ``change`` is
@@ -258,8 +258,8 @@ class LiveTask:
         task = self.task
         with trio.move_on_after(self.write_timeout_s, shield=True) as bound:
             async with holding(self._writing):
+                told = self.task.status  # what its subscribers were told (a write past its bound told them nothing)
                 for attempt in range(1, WRITE_ATTEMPTS + 1):
-                    before = self.task.status
                     task = change(self.task)
                     if task is self.task:
                         return task
@@ -279,7 +279,7 @@ class LiveTask:
                     break
         if bound.cancelled_caught:
             raise TimeoutError(f"storing task {task.id!r} took longer than {self.write_timeout_s:g} s")
-        if task.status != before:  # a steer's message added to the history is no news to a stream
+        if task.status != told:  # a steer's message added to the history is no news to a stream
             self.publish(TaskStatusUpdateEvent(task_id=task.id, context_id=task.context_id, status=task.status))
         if task.status.state.is_terminal:
             self.close()
