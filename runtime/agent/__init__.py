@@ -1,6 +1,9 @@
 """The agent loop: steps, steers, saves and tool calls. It knows no HTTP server."""
 
-from runtime.agent.errors import AgentError, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, RunFinished, SaveFailed
+from runtime.agent.errors import (
+    AgentError, AnswerEmpty, AnswerFailed, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached,
+    RunFinished, SaveFailed,
+)
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.loop import AgentRun, AgentSpec, Model, Result, SteerGate
 from runtime.agent.steers import STEER_LABEL
@@ -12,6 +15,8 @@ __all__ = [
     "AgentEvent",
     "AgentRun",
     "AgentSpec",
+    "AnswerEmpty",
+    "AnswerFailed",
     "AnswerFiltered",
     "AnswerTooLarge",
     "AnswerTruncated",

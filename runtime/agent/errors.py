@@ -6,6 +6,8 @@ AgentError
 ├── AnswerTruncated   the model's answer was cut off at its length limit
 ├── AnswerTooLarge    the model's answer grew past what one message of a transcript may hold
 ├── AnswerFiltered    the model's provider withheld its answer (a content filter)
+├── AnswerFailed      the model's server ended its answer with an error
+├── AnswerEmpty       the model's answer held no text and called no tool
 ├── SaveFailed        the session could not be written or its steers taken
 └── RunFinished       a steer for a run that has ended
 
@@ -57,6 +59,23 @@ class AnswerFiltered(AgentError):
         super().__init__(
             "the model's answer was withheld by its provider's content filter (finish_reason 'content_filter'); "
             "rephrase the request"
+        )
+
+
+class AnswerFailed(AgentError):
+    def __init__(self, finish_reason: str) -> None:
+        self.finish_reason = finish_reason
+        super().__init__(
+            f"the model's server ended the answer with an error (finish_reason {finish_reason!r}) before it was complete; "
+            "send the message again, with a new messageId"
+        )
+
+
+class AnswerEmpty(AgentError):
+    def __init__(self) -> None:
+        super().__init__(
+            "the model's answer held no text (nothing, or only white space) and called no tool; "
+            "send the message again, with a new messageId"
         )
 
 

@@ -21,7 +21,9 @@ import trio
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
-from runtime.agent.errors import AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed
+from runtime.agent.errors import (
+    AnswerEmpty, AnswerFailed, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed,
+)
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import SteerBox, steer_message
 from runtime.agent.tools import Tool, call_tool
@@ -34,6 +36,9 @@ DEFAULT_MAX_MODEL_CALLS = 12
 STORE_TIMEOUT_S = 30.0  # bound on the shielded take-and-save before a request; a slower store has failed
 CLEANUP_TIMEOUT_S = 5.0  # bound on the shielded save of a partial answer as the run ends
 _SAVING = "saving the transcript"
+# Finish reasons of an answer its server gave up on: what came is part of an answer, not all of it.
+# OpenRouter says "error" when the provider failed mid-answer; vLLM "abort" when its engine aborted.
+FAILED_FINISHES = frozenset({"error", "abort"})
 
 
 class AnswerStream(Protocol):
@@ -161,6 +166,8 @@ class AgentRun:
         MaxStepsReached when the model will not conclude (the last step's work is stored first),
         AnswerTruncated when its answer stops at its length limit (the text is kept as partial),
         AnswerFiltered when its provider's content filter withholds the answer (likewise),
+        AnswerFailed when its server ends the answer with an error (likewise),
+        AnswerEmpty when the answer holds no text and calls no tool,
         AnswerTooLarge when its answer grows past what one stored message may hold (the text is
         kept as partial, cut to fit; a tool's output that large is cut short instead, saying so),
         SaveFailed when the session cannot be written (the run stops before its next model
@@ -349,6 +356,12 @@ class AgentRun:
                     raise AnswerTruncated()
                 if completion.finish_reason == "content_filter":  # likewise: what is there is not all of it
                     raise AnswerFiltered()
+                if completion.finish_reason in FAILED_FINISHES:  # likewise
+                    raise AnswerFailed(completion.finish_reason)
+                if not (completion.message.tool_calls or completion.message.text.strip()):
+                    # An answer of nothing is no answer: completed, the client would be told nothing,
+                    # and the model shown a reply it never gave.
+                    raise AnswerEmpty()
                 if completion.message.oversize(limit) is not None:
                     raise AnswerTooLarge(limit)
         except BaseException:

@@ -23,6 +23,7 @@ from runtime.agent import (
     AgentEvent,
     AgentRun,
     AgentSpec,
+    AnswerFailed,
     AnswerFiltered,
     AnswerTooLarge,
     AnswerTruncated,
@@ -226,7 +227,11 @@ async def test_max_steps_bounds_a_round_below_the_budget(fake_model: FakeModel) 
 
 @pytest.mark.parametrize(
     ("finish_reason", "error", "says"),
-    [("length", AnswerTruncated, "cut off at its length limit"), ("content_filter", AnswerFiltered, "withheld by its provider's content filter")],
+    [
+        ("length", AnswerTruncated, "cut off at its length limit"),
+        ("content_filter", AnswerFiltered, "withheld by its provider's content filter"),
+        ("error", AnswerFailed, "ended the answer with an error"),
+    ],
 )
 async def test_an_answer_cut_off_at_its_length_limit_or_by_a_filter_fails_the_run_and_is_kept_as_partial(
     fake_model: FakeModel, tmp_path: Path, finish_reason: str, error: type[Exception], says: str
