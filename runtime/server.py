@@ -24,6 +24,7 @@ the runner has stopped, each wait bounded.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import socket
 import threading
@@ -36,6 +37,7 @@ import attrs
 import hypercorn
 import trio
 from hypercorn.config import Sockets
+from hypercorn.utils import repr_socket_addr
 
 from persistence.recovery import HeldStateDir, hold_state_dir
 from persistence.statedir import acquire_serving, release_use
@@ -311,6 +313,8 @@ class _HttpConfig(hypercorn.Config):
         except OSError as exc:
             self.release_address()
             raise self._cannot_listen(exc) from exc
+        for sock in (*sockets.secure_sockets, *sockets.insecure_sockets):
+            _warn_if_beyond_this_machine(sock)
 
     def release_address(self) -> None:
         """Close the sockets taken and never handed to hypercorn (a start that failed)."""
@@ -340,6 +344,22 @@ class _HttpConfig(hypercorn.Config):
     def _cannot_listen(self, exc: OSError) -> OSError:
         hint = _LISTEN_HINTS.get(exc.errno or 0, "check --host (AGENT_HOST) and --port (AGENT_PORT)")
         return OSError(f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}; {hint}")
+
+
+def _warn_if_beyond_this_machine(sock: socket.socket) -> None:
+    """Keel authenticates no client: on an address other than loopback, whoever reaches it may
+    read, steer and cancel every task. Said once, as the server takes the address."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    address = ipaddress.ip_address(sock.getsockname()[0])
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is loopback too
+    if address.is_loopback or (mapped is not None and mapped.is_loopback):
+        return
+    logger.warning(
+        "listening on %s, beyond this machine: clients are not authenticated, so whoever reaches it may read, steer and"
+        " cancel every task; serve others through a proxy that authenticates them, or listen on 127.0.0.1",
+        repr_socket_addr(sock.family, sock.getsockname()),
+    )
 
 
 def _http_config(config: Config) -> _HttpConfig:

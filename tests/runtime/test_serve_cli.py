@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import socket
@@ -51,6 +52,26 @@ def test_an_address_a_server_still_starting_has_taken_is_refused_to_a_second() -
         second.release_address()
     second.take_address()  # once the first has let go
     second.release_address()
+
+
+@pytest.mark.parametrize(("host", "beyond"), [("0.0.0.0", True), ("127.0.0.1", False), ("::1", False)])
+def test_listening_beyond_this_machine_warns_that_clients_are_not_authenticated(
+    caplog: pytest.LogCaptureFixture, host: str, beyond: bool
+) -> None:
+    # Every client may read, steer and cancel every task: on loopback only this machine's users
+    # can; on any other address, whoever reaches it. (Bound, listening, closed: nothing connects.)
+    http = _http_config(Config.load({"AGENT_HOST": host, "AGENT_PORT": "0"}))
+    http.take_address()
+    http.release_address()
+    said = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    if not beyond:
+        assert said == []
+        return
+    [line] = said
+    assert line.startswith(f"listening on {host}:") and line.endswith(
+        ", beyond this machine: clients are not authenticated, so whoever reaches it may read, steer and cancel every task;"
+        " serve others through a proxy that authenticates them, or listen on 127.0.0.1"
+    ), line
 
 
 @pytest.mark.parametrize(("given", "milliseconds"), [("1e306", 2**31 - 1), ("0.0001", 1), ("2.5", 2500)])
