@@ -40,7 +40,7 @@ from persistence.statedir import (
 )
 from persistence.tasks import TASKS_SCHEMA
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
-from runtime.models.client import MISPLACED_AT, misplaced_at
+from runtime.models.client import MISPLACED_AT, misplaced_at, port_unusable
 
 ORPHAN_POLICIES = ("resume", "fail")
 
@@ -106,10 +106,8 @@ def _url(text: str) -> str:
         raise ValueError(f"it must be an http:// or https:// URL with a host, like {DEFAULT_BASE_URL}")
     if misplaced_at(text):
         raise ValueError(MISPLACED_AT)
-    try:
-        parts.port  # noqa: B018  # read for its check
-    except ValueError:
-        raise ValueError(f"its port must be a whole number from 1 to 65535, like {DEFAULT_BASE_URL}") from None
+    if port_unusable(parts):
+        raise ValueError(f"its port must be a whole number from 1 to 65535, like {DEFAULT_BASE_URL}")
     return text.rstrip("/")
 
 

@@ -1,8 +1,8 @@
 """The runner owns every run: one cancel scope per task, turn locks, durable task states.
 
-HTTP handlers call ``send``, ``cancel``, ``get``, ``list_tasks`` and ``subscribe``; the runs
-themselves live in the runner's nursery, never in a request's, so a client that goes away ends
-only its own subscription.
+HTTP handlers call ``send``, ``wait_settled``, ``cancel``, ``get``, ``list_tasks`` and
+``subscribe``; the runs themselves live in the runner's nursery, never in a request's, so a
+client that goes away ends only its own subscription.
 """
 
 from __future__ import annotations
@@ -489,13 +489,13 @@ class Runner:
                 task, version = await load(self.tasks, owner, task.id)
         raise UnsupportedOperation(f"task {task.id!r} kept changing while a message was added; send it again")
 
-    async def get(self, owner: str, task_id: str, history_length: int | None = None) -> Task:
+    async def get(self, owner: str, task_id: str) -> Task:
+        """The task as it stands: with the answer so far while a run of this process writes it."""
         live = self._live.get(task_id)
         if live is not None and live.owner == owner:
-            task = self._with_answer_so_far(live.task)
-        else:
-            task, _ = await load(self.tasks, owner, task_id)
-        return task if history_length is None else trim_history(task, history_length, STORED_VERSION)
+            return live.as_seen()
+        task, _ = await load(self.tasks, owner, task_id)
+        return task
 
     def _with_answer_so_far(self, task: Task) -> Task:
         """``task`` with what the streams have of its answer so far, for a client that polls,

@@ -22,6 +22,7 @@ from protocol import (
     END_NOT_STORED,
     Artifact,
     ContentTypeNotSupported,
+    DataPart,
     FilePart,
     InvalidParams,
     Message,
@@ -38,6 +39,7 @@ from protocol import (
     TaskStatusUpdateEvent,
     TextPart,
     UnsupportedOperation,
+    check_transition,
 )
 from protocol.errors import clipped, quoted
 from runtime.agent import SteerGate
@@ -183,7 +185,7 @@ def message_text(message: Message) -> str:
         elif isinstance(part, FilePart):
             if part.raw is not None and _text_type(part):
                 pieces.append(part.raw.decode("utf-8", "replace"))
-        elif hasattr(part, "data"):
+        elif isinstance(part, DataPart):
             pieces.append(json.dumps(part.data, ensure_ascii=False))
     return "\n".join(pieces)
 
@@ -194,6 +196,9 @@ def answer_artifact(text: str) -> Artifact:
 
 
 def with_status(task: Task, state: TaskState, message: Message | None = None) -> Task:
+    """``task`` moved to ``state`` now; InvalidTransition for a move the task state machine
+    forbids (out of a terminal state, say): every status a task is given passes here."""
+    check_transition(task.id, task.status.state, state)
     return attrs.evolve(task, status=TaskStatus(state=state, message=message, timestamp=now()))
 
 

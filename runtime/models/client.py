@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any
-from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
+from urllib.parse import SplitResult, unquote, unquote_plus, urlsplit, urlunsplit
 
 import attrs
 import httpx
@@ -59,10 +59,16 @@ def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
         raise ValueError(f"the model base URL must be an http:// or https:// URL with a host, for example {DEFAULT_BASE_URL}")
     if misplaced_at(url):
         raise ValueError(MISPLACED_AT)
+    if port_unusable(parts):
+        raise ValueError(f"the model base URL's port must be a whole number from 1 to 65535, for example {DEFAULT_BASE_URL}")
+
+
+def port_unusable(parts: SplitResult) -> bool:
+    """Whether a URL names a port no server listens on: past 65535, or 0 (which urlsplit takes)."""
     try:
-        parts.port  # noqa: B018  # read for its check
+        return parts.port == 0
     except ValueError:
-        raise ValueError(f"the model base URL's port must be a whole number from 1 to 65535, for example {DEFAULT_BASE_URL}") from None
+        return True
 
 
 MISPLACED_AT = (

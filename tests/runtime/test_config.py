@@ -66,6 +66,16 @@ def test_a_timeout_must_be_a_finite_number_of_seconds_and_says_so(given: str) ->
     assert f"AGENT_SEND_TIMEOUT_S={given!r} is not valid: it must be a finite number of seconds greater than 0" in str(caught.value)
 
 
+@pytest.mark.parametrize("setting", ["AGENT_MODEL_BASE_URL", "AGENT_PUBLIC_URL"])
+@pytest.mark.parametrize("port", ["0", "99999"])
+def test_a_url_whose_port_no_server_listens_on_is_refused_naming_the_range(setting: str, port: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.load({setting: f"http://127.0.0.1:{port}/v1"})
+    assert f"{setting}='http://127.0.0.1:{port}/v1' is not valid: its port must be a whole number from 1 to 65535" in str(
+        caught.value
+    )
+
+
 def test_config_never_prints_the_api_key() -> None:
     config = Config.load({"AGENT_MODEL_API_KEY": "sk-very-secret"})
     assert config.model_api_key == "sk-very-secret"

@@ -984,7 +984,7 @@ def test_the_endpoint_a_log_or_an_operator_is_shown_has_no_credentials_or_query(
     assert ModelConfig(base_url="http://[::1]:11434/v1").endpoint == "http://[::1]:11434/v1"
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:abc/v1", "http://127.0.0.1:-1/v1"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:abc/v1", "http://127.0.0.1:-1/v1", "http://127.0.0.1:0/v1"])
 def test_a_model_config_refuses_a_base_url_whose_port_is_no_port(url: str) -> None:
     with pytest.raises(ValueError, match="port must be a whole number from 1 to 65535"):
         ModelConfig(base_url=url)

@@ -22,6 +22,7 @@ from persistence.tasks import open_task_store
 from persistence.transcript import Message as Transcribed
 from protocol import (
     EndNotStored,
+    InvalidTransition,
     Message,
     Role,
     SendMessageParams,
@@ -511,3 +512,16 @@ async def test_a_canceled_task_keeps_exactly_the_answer_its_subscribers_were_sen
         stored = decode(await tasks.get(ANONYMOUS, task.id))
     assert canceled.status.state is TaskState.CANCELED
     assert canceled.artifacts == stored.artifacts == (answer_artifact("".join(pieces)),)
+
+
+@pytest.mark.parametrize("ended", [TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELED])
+@pytest.mark.parametrize("to", [TaskState.WORKING, TaskState.COMPLETED, TaskState.CANCELED])
+def test_a_task_that_ended_is_given_no_other_status(ended: TaskState, to: TaskState) -> None:
+    # Every status a task is given passes through with_status, which holds it to the protocol's
+    # state machine: the runner's own guards (a run's end and a cancel race) have a backstop.
+    task = Task(id="t-1", context_id="c-1", status=TaskStatus(state=ended, timestamp=now()))
+    with pytest.raises(InvalidTransition, match=f"task 't-1' cannot move from state '{ended.value}' to '{to.value}'"):
+        with_status(task, to)
+    submitted = Task(id="t-2", context_id="c-1", status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()))
+    working = with_status(submitted, TaskState.WORKING)
+    assert with_status(working, to).status.state is to
