@@ -266,8 +266,8 @@ class LiveTask:
                 told = self.task.status  # what its subscribers were told (a write past its bound told them nothing)
                 for attempt in range(1, WRITE_ATTEMPTS + 1):
                     task = change(self.task)
-                    if task is self.task:
-                        return task
+                    if task is self.task:  # nothing to write; a reload may still have news for the subscribers
+                        break
                     try:
                         record = await tasks.update(
                             self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION),
