@@ -35,8 +35,12 @@ class StreamAssembler:
     """
 
     model: str
+    # The most characters one event's data may hold (its data lines together): one chunk of the
+    # answer. Past it the stream is refused, rather than held in memory until it ends.
+    max_event_chars: int | None = attrs.field(default=None, kw_only=True)
     done: bool = attrs.field(init=False, default=False)
     _data: list[str] = attrs.field(init=False, factory=list)
+    _data_chars: int = attrs.field(init=False, default=0)
     _text: list[str] = attrs.field(init=False, factory=list)
     _held: str = attrs.field(init=False, default="")  # a surrogate that ended the last text, awaiting its pair
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
@@ -52,6 +56,9 @@ class StreamAssembler:
         field, _, value = line.partition(":")
         if field == "data":
             self._data.append(value[1:] if value.startswith(" ") else value)
+            self._data_chars += len(value)
+            if self.max_event_chars is not None and self._data_chars > self.max_event_chars:
+                raise ModelBadResponse(self.model, f"a stream event is longer than {self.max_event_chars} characters")
         # Comments (":" keep-alives) and the event, id and retry fields carry nothing we use.
         return []
 
@@ -119,6 +126,7 @@ class StreamAssembler:
             return []
         data = "\n".join(self._data)
         self._data.clear()
+        self._data_chars = 0
         if not data.strip():  # an event with no data is not dispatched (a proxy's heartbeat, say)
             return []
         if data.strip() == "[DONE]":

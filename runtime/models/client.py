@@ -50,7 +50,7 @@ _DETAIL_CHARS = 2000  # how much of a server's error body is kept for the logs
 # Far past any answer the agent keeps (a message is at most 1 MiB stored, ~6 MiB JSON-escaped):
 # a server that sends more is not answering, and is not held in memory to find that out.
 MAX_BODY_BYTES = 32 << 20
-MAX_LINE_CHARS = 16 << 20  # one line of a streamed answer: one chunk of it
+MAX_LINE_CHARS = 16 << 20  # one line of a streamed answer, and one event's data lines together: one chunk of it
 
 
 def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
@@ -609,7 +609,7 @@ class ChatStream:
 
     @_assembler.default
     def _new_assembler(self) -> StreamAssembler:
-        return StreamAssembler(self._client.config.model)
+        return StreamAssembler(self._client.config.model, max_event_chars=MAX_LINE_CHARS)
 
     async def __aenter__(self) -> ChatStream:
         if self._entered:

@@ -5,7 +5,8 @@ It serves ``POST /v1/chat/completions`` (streamed as server-sent events, or in o
 the next item of ``script``: a ``Reply`` (text and/or tool calls, optionally slow or cut off
 mid-stream) or an ``ErrorReply`` (an HTTP error status with a body). When the script is empty
 the ``default`` item answers; with no default the request gets HTTP 500 saying so. Every request
-is recorded in ``received`` (``bodies`` holds the chat request bodies: what the model saw).
+is recorded in ``received`` (``bodies`` holds the chat request bodies: what the model saw), unless
+``record`` is false, as it is standalone.
 
 In a test (``tests/conftest.py`` has the ``fake_model`` fixture)::
 
@@ -129,12 +130,16 @@ class FakeModel:
     api_key: str | None = None
     # Refuse, as many chat templates do, a conversation with two user messages in a row.
     alternate_roles: bool = False
+    # Every request is kept in ``received`` for a test to read; run standalone (for a demo, or a
+    # load run) it keeps none, so that it does not grow with every request it answers.
+    record: bool = True
     received: list[Received] = attrs.field(init=False, factory=list)
     disconnects: int = attrs.field(init=False, default=0)
     answering: int = attrs.field(init=False, default=0)  # chat requests being answered now
     most_answering: int = attrs.field(init=False, default=0)  # the most there have been at once
     base_url: str = attrs.field(init=False, default="")
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _chats: int = attrs.field(init=False, default=0)  # chat requests so far, which number the answers' ids
 
     @property
     def bodies(self) -> list[Any]:
@@ -169,7 +174,10 @@ class FakeModel:
         raw = await _read_body(receive)
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         body = _parse_json(raw)
-        self.received.append(Received(scope["method"], scope["path"], headers, body))
+        if self.record:
+            self.received.append(Received(scope["method"], scope["path"], headers, body))
+        if scope["path"] == "/v1/chat/completions":
+            self._chats += 1
         presented = headers.get("authorization", "").removeprefix("Bearer ")
         if self.api_key is not None and presented != self.api_key:
             # Like some hosted APIs, the refusal repeats the key it was given.
@@ -232,7 +240,7 @@ class FakeModel:
             extra += [(b"location", item.location.encode())] if item.location is not None else []
             await _send_bytes(send, item.status, body.encode(), "application/json", extra)
             return
-        number = len(self.bodies)
+        number = self._chats
         if request.get("stream") is True and not item.ignore_stream:
             stream_options = request.get("stream_options") or {}
             usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
@@ -403,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None, help="require this Bearer key")
     parser.add_argument("--gap-s", type=float, default=0.02, help="seconds between streamed chunks")
     args = parser.parse_args(argv)
-    fake = FakeModel(default=Reply(text=args.reply, gap_s=args.gap_s), models=tuple(args.model or [DEFAULT_MODEL]), api_key=args.api_key)
+    models = tuple(args.model or [DEFAULT_MODEL])
+    fake = FakeModel(default=Reply(text=args.reply, gap_s=args.gap_s), models=models, api_key=args.api_key, record=False)
     try:
         trio.run(_serve_forever, fake, args.host, args.port)
     except* KeyboardInterrupt:  # raised inside the server's nursery, so it comes in a group

@@ -23,7 +23,7 @@ ANSWER = "A slow answer, a few characters at a time."
 UNFINISHED = ("TASK_STATE_SUBMITTED", "TASK_STATE_WORKING")
 # How far along each state is: a state the client was told may only be followed by one further on.
 PROGRESS = {"TASK_STATE_SUBMITTED": 0, "TASK_STATE_WORKING": 1}
-SETTLE_DEADLINE_S = 20
+SETTLE_DEADLINE_S = 60  # a bound for a slow machine; settling takes a few seconds
 SEED = 20240611
 
 
@@ -217,7 +217,9 @@ def check_invariants(state_dir: Path, told: Told) -> None:
             # Each answer stored is a model request answered: one a round (a steer's continuation makes two).
             assert len(answers) <= 1 + len(steers_taken), f"task {task_id}: answered {len(answers)} times"
         else:
-            assert len(answers) <= len(steers_taken), f"task {task_id} {state} with {len(answers)} answers stored"
+            # A cancel written after the answer was saved, before COMPLETED was: the answer stays.
+            late_cancel = 1 if state == "TASK_STATE_CANCELED" else 0
+            assert len(answers) <= len(steers_taken) + late_cancel, f"task {task_id} {state} with {len(answers)} answers stored"
 
 
 async def resend_steers(client: httpx.AsyncClient, keel: KeelProcess, told: Told) -> None:

@@ -70,3 +70,35 @@ async def test_the_fake_model_server_on_a_port_in_use_says_so_in_one_line() -> N
     assert done.stderr.decode().splitlines() == [
         f"error: cannot listen on 127.0.0.1:{port}: Address already in use; stop what listens there, or give another --port"
     ]
+
+
+def resident_kib(pid: int) -> int:
+    """The process's resident memory (VmRSS), as Linux reports it."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+async def test_the_fake_model_server_run_for_a_demo_does_not_grow_with_every_request() -> None:
+    # Run by hand, it answers for as long as the demo (or a load run) goes on: it must not keep
+    # every request it was sent, as a test's FakeModel does for the test to read.
+    command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0", "--gap-s", "0"]
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    said = b""
+    assert process.stdout is not None
+    try:
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            while b"serving http://" not in said:
+                said += await process.stdout.receive_some(65536)
+            url = said.split(b"serving ")[1].split()[0].decode()
+            question = {"model": "qwen3:4b-instruct", "messages": [{"role": "user", "content": "x" * (256 << 10)}]}
+            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+                await client.post("/chat/completions", json=question)
+                before = resident_kib(process.pid)
+                for _ in range(160):  # 40 MiB of questions
+                    assert (await client.post("/chat/completions", json=question)).status_code == 200
+                grown = resident_kib(process.pid) - before
+        assert grown < 12 << 10, f"the fake model grew by {grown} KiB over 160 requests"
+    finally:
+        process.kill()
+        with trio.move_on_after(STARTUP_DEADLINE_S, shield=True):
+            await process.wait()

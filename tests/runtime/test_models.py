@@ -851,6 +851,23 @@ async def test_a_streamed_line_past_the_limit_is_a_bad_response_not_a_growing_bu
                 await read_stream(client)
 
 
+async def test_a_stream_whose_events_never_end_is_a_bad_response_not_a_growing_buffer(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each chunk on a line of its own, with no blank line between them: by the SSE rules one event
+    # that never ends, so no piece of the answer is ever read, and a model that would not stop is
+    # not stopped by the answer's size. The event is held to the limit of a line.
+    monkeypatch.setattr("runtime.models.client.MAX_LINE_CHARS", 1000)
+    chunk = json.dumps({"choices": [{"index": 0, "delta": {"content": "and on "}}]}).encode()
+    url = await serve_raw(
+        nursery, b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n", b"data: " + chunk + b"\n"
+    )
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(ModelConfig(base_url=url, max_retries=0)) as client:
+            with pytest.raises(ModelBadResponse, match="a stream event is longer than 1000 characters"):
+                await read_stream(client)
+
+
 def assembled(*events: object) -> StreamAssembler:
     assembler = StreamAssembler("m")
     for line in sse(*events):
