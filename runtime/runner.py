@@ -7,9 +7,8 @@ client that goes away ends only its own subscription.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, nullcontext
 
 import attrs
@@ -42,9 +41,23 @@ from protocol import (
     trim_history,
 )
 from protocol.errors import quoted
-from runtime.agent import AgentError, AgentEvent, AgentRun, AgentSpec, Model, StepStarted, TextDelta
+from runtime.agent import AgentError, AgentRun, AgentSpec, Model
 from runtime.agent.steers import steer_message
+from runtime.endings import (
+    CANCELED,
+    OVERTAKEN,
+    SHUT_DOWN,
+    Outcome,
+    Working,
+    answer_streamer,
+    answered,
+    keeping_answer,
+    settle,
+    turn_of,
+    unless_settled,
+)
 from runtime.models import ModelError
+from runtime.resent import as_sent, check_receipt, check_same, sent_with_other_content, with_message
 from runtime.tasks import (
     STORED_VERSION,
     LiveTask,
@@ -72,50 +85,7 @@ END_RETRY_FIRST_S = 1.0
 END_RETRY_MAX_S = 30.0
 
 
-Outcome = Callable[[Task], Task]
-"""How a run ends, applied to the task as it stands when the end is written (see LiveTask.persist)."""
-
 STOPPING = "the server is shutting down and takes no new tasks; send it again once the server that replaces it is up"
-
-
-def _settle(state: TaskState, text: str) -> Outcome:
-    return lambda current: with_status(current, state, agent_message(current, text))
-
-
-def _keeping_answer(live: LiveTask, outcome: Outcome) -> Outcome:
-    """``outcome``, keeping as the task's answer artifact what its subscribers were sent of the
-    answer, when it ends before a whole answer is stored (canceled, failed): so what a stream
-    put together and what GetTask says agree, as in the reference."""
-
-    def change(current: Task) -> Task:
-        ended = outcome(current)
-        streamed = live.streamed_answer()
-        if ended is current or ended.artifacts or streamed is None:
-            return ended
-        return attrs.evolve(ended, artifacts=(streamed,))
-
-    return change
-
-
-def _unless_settled(outcome: Outcome) -> Outcome:
-    """``outcome``, unless the task is terminal already (then nothing is written): a run's end
-    and a CancelTask race, and whichever is written first stands."""
-    return lambda current: current if current.status.state.is_terminal else outcome(current)
-
-
-CANCELED = _settle(TaskState.CANCELED, "The task was canceled.")
-SHUT_DOWN = _settle(
-    TaskState.CANCELED,
-    "The task was canceled: the server shut down before it finished. Send the message again, with a new"
-    " messageId, once the server is back.",
-)
-OVERTAKEN = (
-    "The process running this task stopped before it finished, and its conversation has gone on since;"
-    " send the message again, with a new messageId, to ask it after what was said since."
-)
-# A run's WORKING, unless a CancelTask came first: the run finds out at its next checkpoint, but
-# it may have been inside a read that a cancellation waits for.
-WORKING = _unless_settled(lambda current: with_status(current, TaskState.WORKING))
 
 
 @attrs.frozen
@@ -348,7 +318,7 @@ class Runner:
                 problem=f"{quoted(message.message_id)} was sent before, in context {task.context_id!r}, and {where}; "
                 "a new message needs a new messageId",
             )
-        return _check_same(message, task.history[0], task, where)
+        return check_same(message, task.history[0], task, where)
 
     async def _steered_before(self, owner: str, params: SendMessageParams, receipt: SteerReceipt) -> Task:
         """The task a message went to as a steer, for that message sent again: as if sent with
@@ -361,8 +331,8 @@ class Runner:
         )
         if receipt.task_id is None:
             raise sent_before
-        if not receipt.same(_as_sent(message)):
-            raise _sent_with_other_content(message, f"went to task {receipt.task_id!r}")
+        if not receipt.same(as_sent(message)):
+            raise sent_with_other_content(message, f"went to task {receipt.task_id!r}")
         again = attrs.evolve(params, message=attrs.evolve(message, task_id=receipt.task_id))
         try:
             return await self._to_existing(owner, receipt.task_id, again)
@@ -398,7 +368,7 @@ class Runner:
         current = live.task if live is not None and live.owner == owner else task
         for taken in current.history:
             if taken.message_id == message.message_id:
-                return _check_same(message, taken, current, f"went to task {task_id!r}")
+                return check_same(message, taken, current, f"went to task {task_id!r}")
         started = await self.tasks.started_by(owner, message.message_id)
         if started is not None:  # another task's first message (this one's is in its history)
             raise InvalidParams(
@@ -424,7 +394,7 @@ class Runner:
             if receipt is not None:
                 # Left as a steer while the task worked, but its record in the task failed (a
                 # full disk, or the process died between the two writes): recorded now.
-                _check_receipt(receipt, message, task_id)
+                check_receipt(receipt, message, task_id)
                 return await self._add_to_history(owner, task, version, message)
         if state.is_terminal:
             raise TaskIsTerminal(
@@ -458,12 +428,12 @@ class Runner:
         if live is not None:
             live.steered = True  # from before the write: a run cancelled during it still forgets the steer
         left = await self.sessions.add_steer(
-            task.context_id, text, message_id=message.message_id, task_id=task_id, sent_as=_as_sent(message)
+            task.context_id, text, message_id=message.message_id, task_id=task_id, sent_as=as_sent(message)
         )
         if not left:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
             if receipt is not None:
-                _check_receipt(receipt, message, task_id)
+                check_receipt(receipt, message, task_id)
         return await self._add_to_history(owner, task, version, message)
 
     async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
@@ -475,8 +445,8 @@ class Runner:
         for _ in range(HISTORY_WRITE_ATTEMPTS):
             live = self._live.get(task.id)
             if live is not None:
-                return await live.persist(self.tasks, lambda current: _with_message(current, message))
-            updated = _with_message(task, message)
+                return await live.persist(self.tasks, lambda current: with_message(current, message))
+            updated = with_message(task, message)
             if updated is task:
                 return task
             try:
@@ -554,7 +524,7 @@ class Runner:
         # CANCELED is what the subscribers have.
         live.freeze_answer()
         # Urgent: under load the writer is busy, and this write is what the client waits on.
-        task = await live.persist(self.tasks, _unless_settled(_keeping_answer(live, CANCELED)), urgent=True)
+        task = await live.persist(self.tasks, unless_settled(keeping_answer(live, CANCELED)), urgent=True)
         if task.status.state.is_terminal and task.status.state is not TaskState.CANCELED:
             raise TaskNotCancelable(task_id, task.status.state.value)  # as a cancel a moment later is
         return task
@@ -633,14 +603,14 @@ class Runner:
                 final = await self._turn(live)
         except Exception:
             logger.exception("task %s failed inside the runner", live.task.id)
-            final = _settle(TaskState.FAILED, "The task failed with an internal error.")
+            final = settle(TaskState.FAILED, "The task failed with an internal error.")
         finally:
             if final is None and self._cut_from_outside(live):  # left as stored, for the next process
                 live.close(end_stored=False, why=END_LEFT_FOR_NEXT)
             else:
                 if final is None:  # cancelled: by CancelTask, or by shutdown (after the drain, or cutting it short)
                     final = SHUT_DOWN if self._stopping.is_set() else CANCELED
-                if await self._store_end(live, _keeping_answer(live, final)):
+                if await self._store_end(live, keeping_answer(live, final)):
                     live.close()
                     if live.steered:
                         await self._drop_untaken_steers(live)
@@ -667,7 +637,7 @@ class Runner:
         while True:
             try:
                 # Shielded and bounded inside; a CancelTask may have written the end already.
-                await live.persist(self.tasks, _unless_settled(final))
+                await live.persist(self.tasks, unless_settled(final))
                 if delay:
                     logger.info("task %s: its final state is stored now", live.task.id)
                 return True
@@ -708,32 +678,32 @@ class Runner:
             # its first step, long before another request could: no other turn comes first.)
             fresh = self._fresh.pop(task.context_id, None) == task.id
             messages = [] if fresh else await session.messages()
-            turn, overtaken = _turn_of(messages, task.id)
+            turn, overtaken = turn_of(messages, task.id)
             if live.resuming:  # steers were refused until now: one taken for a turn already over would ride no request
                 async with live.steers.lock:
                     live.resuming = False
-                    live.steers.closed = bool(turn) and (_answered(turn) or overtaken)
+                    live.steers.closed = bool(turn) and (answered(turn) or overtaken)
             if not turn:
                 # The turn's first run, or its process died before the question was saved.
                 messages.append(Transcribed(role="user", text=message_text(task.history[0]), turn_id=task.id))
-            elif _answered(turn):
+            elif answered(turn):
                 # Its process died after the answer was saved but before the task said so.
                 return self._completed(live, turn[-1].text)
             elif overtaken:
                 # Its run ended unanswered (it failed, say) and that end was never stored; the
                 # conversation has gone on since. Asked now, the model would answer the later turn.
-                return _settle(TaskState.FAILED, OVERTAKEN)
+                return settle(TaskState.FAILED, OVERTAKEN)
             # Otherwise a resumed run continues from the transcript as saved: the step in flight
             # when the process died is done again (see AgentRun._ask).
             #
             # WORKING goes to tasks.db while the loop saves the transcript to runtime.db; the
             # model is asked once both are durable. The nursery is this turn's, and lives no
             # longer than the loop.
-            working = _Working(live, self.tasks)
+            working = Working(live, self.tasks)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(working.write)
                 run = AgentRun(
-                    self.model, self.agent, messages, session=session, on_event=_answer_streamer(live), ready=working.wait,
+                    self.model, self.agent, messages, session=session, on_event=answer_streamer(live), ready=working.wait,
                     gate=live.steers, calls_made=sum(message.role == "assistant" for message in turn),
                 )  # fmt: skip
                 try:
@@ -744,7 +714,7 @@ class Runner:
                         logger.info("task %s failed: %r%s", task.id, exc, said)
                     else:  # a store or connection failure: what it said is for the log alone
                         logger.warning("task %s failed: %r, from %r%s", task.id, exc, exc.__cause__, said)
-                    return _settle(TaskState.FAILED, f"The task failed: {exc}")
+                    return settle(TaskState.FAILED, f"The task failed: {exc}")
         return self._completed(live, result.output)
 
     @asynccontextmanager
@@ -817,7 +787,7 @@ class Runner:
                 continue
             logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)
             reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
-            await live.persist(self.tasks, _settle(TaskState.FAILED, reason))
+            await live.persist(self.tasks, settle(TaskState.FAILED, reason))
 
 
 @attrs.define(eq=False)
@@ -842,107 +812,3 @@ class _Count:
             await self._none.wait()
 
 
-def _answered(turn: list[Transcribed]) -> bool:
-    """Whether a turn's transcript ends with the model's answer (an assistant message, no tool calls)."""
-    last = turn[-1]
-    return last.role == "assistant" and not last.tool_calls and not last.partial
-
-
-def _turn_of(messages: list[Transcribed], task_id: str) -> tuple[list[Transcribed], bool]:
-    """The task's turn in the transcript: from the question it saved up to the next turn's
-    question, empty if its question was never saved; and whether a later turn follows it (one
-    can, when the end of this one's run could not be stored: it is taken up at the next start)."""
-    for start in range(len(messages) - 1, -1, -1):
-        if messages[start].turn_id == task_id:
-            end = start + 1
-            while end < len(messages) and not messages[end].turn_id:
-                end += 1
-            return messages[start:end], end < len(messages)
-    return [], False
-
-
-@attrs.define(eq=False)
-class _Working:
-    """The task's WORKING state, written alongside the loop's first save; the loop's first model
-    request waits for it (``AgentRun.ready``), and a write that failed fails the run there."""
-
-    live: LiveTask
-    tasks: TaskStore
-    _done: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _error: Exception | None = attrs.field(init=False, default=None)
-
-    async def write(self) -> None:
-        try:
-            await self.live.persist(self.tasks, WORKING)
-        except Exception as exc:  # handed to the run, which fails with it (see wait)
-            self._error = exc
-        finally:
-            self._done.set()
-
-    async def wait(self) -> None:
-        await self._done.wait()
-        if self._error is not None:
-            raise WorkingNotStored(self.live.task.id) from self._error
-
-
-class WorkingNotStored(AgentError):
-    """The task's WORKING state could not be stored, so its run stops before the model is asked."""
-
-    def __init__(self, task_id: str) -> None:
-        self.task_id = task_id
-        super().__init__(
-            f"task {task_id!r} could not be stored as working, so the run stopped before calling the model; "
-            "send the message again, with a new messageId, once the server's storage is back"
-        )
-
-
-def _check_same(message: Message, sent: Message, task: Task, where: str) -> Task:
-    """``task``, which ``sent`` went to, if ``message`` (of the same id) says the same."""
-    # Compared as stored, so that what storing normalises (an empty metadata, say) does not make
-    # the same message look like another.
-    if [p.to_json(STORED_VERSION) for p in message.parts] != [p.to_json(STORED_VERSION) for p in sent.parts]:
-        raise _sent_with_other_content(message, where)
-    return task
-
-
-def _with_message(task: Task, message: Message) -> Task:
-    """``task`` with ``message`` last in its history, unless it is there already (the same
-    message sent twice at once: both sends record it, once)."""
-    if any(taken.message_id == message.message_id for taken in task.history):
-        return task
-    return attrs.evolve(task, history=(*task.history, message))
-
-
-def _as_sent(message: Message) -> str:
-    """A message's parts as stored: what tells the same message sent again from another."""
-    return json.dumps([part.to_json(STORED_VERSION) for part in message.parts], sort_keys=True, separators=(",", ":"))
-
-
-def _check_receipt(receipt: SteerReceipt, message: Message, task_id: str) -> None:
-    """A message whose id a steer was left with is that steer sent again, or a mistake said as such."""
-    if receipt.task_id is not None and receipt.task_id != task_id:
-        raise InvalidParams(
-            "message.messageId",
-            problem=f"{quoted(message.message_id)} was sent before, to task {receipt.task_id!r}; a new message needs a new messageId",
-        )
-    if not receipt.same(_as_sent(message)):
-        raise _sent_with_other_content(message, f"went to task {task_id!r}")
-
-
-def _sent_with_other_content(message: Message, where: str) -> InvalidParams:
-    return InvalidParams(
-        "message.messageId",
-        problem=f"{quoted(message.message_id)} was sent before with other content, and {where}; a new message needs a new messageId",
-    )
-
-
-def _answer_streamer(live: LiveTask) -> Callable[[AgentEvent], None]:
-    """The model's text, streamed to the task's subscribers as pieces of its answer artifact."""
-
-    def on_event(event: AgentEvent) -> None:
-        if isinstance(event, TextDelta) and event.text:
-            live.stream_answer(event.text)
-        elif isinstance(event, StepStarted):
-            live.next_request()
-
-    return on_event
