@@ -246,13 +246,13 @@ _NO_PATH_HINT = (
     "; the base URL has no path: add the /v1 that OpenAI-compatible servers serve under to AGENT_MODEL_BASE_URL"
     " (or --model-base-url)"
 )
-# A redirect is not followed (a POST would be sent again as a GET, a key to another host):
-# the base URL is to say where the server is.
 # How servers refuse a request that holds more tokens than the model reads at once: OpenAI's
 # code, vLLM's words, llama.cpp's (error type and words), and those of others like them.
 _TOO_LONG_MARKERS = ("context_length_exceeded", "maximum context length", "context length", "context size", "context window")
 _TOO_LONG = "the conversation is longer than the model can read at once"
 _TOO_LONG_HINT = "; send the next message without a contextId, to start a new conversation"
+# A redirect is not followed (a POST would be sent again as a GET, a key to another host):
+# the base URL is to say where the server is.
 _REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
 # A body of text/html: a proxy's or a login page's, not the API's.
 WEB_PAGE = "the server answered with a web page (text/html)"
