@@ -20,7 +20,7 @@ import os
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar, TypeVarTuple
 
 import attrs
 import trio
@@ -32,6 +32,9 @@ from persistence.tasks import TASKS_SCHEMA
 from runtime.models.errors import ModelError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 NOT_STARTED = "the A2A server has not started"
 DEFAULT_PROBE_TIMEOUT_S = 5.0
@@ -82,6 +85,11 @@ class Health:
     draining: Callable[[], bool] | None = None  # true once the server is shutting down
     probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
     min_free_bytes: int = attrs.field(default=MIN_FREE_BYTES, validator=attrs.validators.ge(0))
+    # One worker thread per probe of a file at most: a check stuck on a stalled disk or on
+    # another program's lock is abandoned, not stopped, and without these each poll would leave
+    # one more thread waiting beside it, until Trio's shared threads (the model host's name
+    # lookups wait for those) were all taken. A later poll waits for the stuck one instead.
+    _threads: dict[str, trio.CapacityLimiter] = attrs.field(init=False, factory=dict)
 
     async def problems(self) -> list[str]:
         """Every problem found, in probe order; empty when ready.
@@ -125,7 +133,7 @@ class Health:
 
     async def _state_dir_problem(self) -> str | None:
         try:
-            free = await trio.to_thread.run_sync(_touch_and_measure, self.state_dir, abandon_on_cancel=True)
+            free = await self._in_thread(_touch_and_measure, self.state_dir)
         except OSError as exc:
             logger.warning("readiness: the state directory %s is not writable: %r", self.state_dir, exc)
             return "state directory is not writable (the server log names it)"  # a path is the machine's, not a client's
@@ -138,13 +146,19 @@ class Health:
     async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:
         path = self.state_dir / name
         try:
-            await trio.to_thread.run_sync(_inspect_existing, path, schema, abandon_on_cancel=True)
+            await self._in_thread(_inspect_existing, path, schema)
         except _Missing:
             return f"{label} is not initialized: {name} is missing"
         except Exception as exc:  # SchemaError, sqlite3.Error, OSError: all mean "cannot use it"
             logger.warning("readiness: %s %s is not usable: %r", label, path, exc)
             return f"{label} is not usable: {name} ({type(exc).__name__})"
         return None
+
+    async def _in_thread(self, fn: Callable[[Path, *Ts], T], path: Path, *args: *Ts) -> T:
+        """``fn(path, *args)`` in a worker thread, behind any earlier check of ``path`` still
+        running; abandoned if cancelled (the probes only read, or remove their own file)."""
+        threads = self._threads.setdefault(str(path), trio.CapacityLimiter(1))
+        return await trio.to_thread.run_sync(fn, path, *args, limiter=threads, abandon_on_cancel=True)
 
     async def _model_problem(self) -> str | None:
         assert self.model is not None, "only probed when configured"

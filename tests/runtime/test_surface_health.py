@@ -13,6 +13,8 @@ import pytest
 import trio
 from fake_model import FakeModel
 
+from persistence.sessions import open_session_store
+from persistence.tasks import open_task_store
 from persistence.transcript import Message
 from runtime.models import ChatRequest, ModelClient, ModelConfig, ModelRejected, open_model_client
 from runtime.surface import Health, SurfaceConfig
@@ -230,6 +232,30 @@ async def test_healthz_answers_while_the_task_database_is_being_written(keel: Se
         writer.execute("ROLLBACK")
         writer.close()
     assert (response.status_code, response.json()) == (200, {"status": "ready"})
+
+
+async def test_readiness_polled_while_a_store_is_held_elsewhere_keeps_one_thread_on_it(tmp_path: Path) -> None:
+    """A probe stuck on another program's lock is abandoned, not stopped: later polls wait for
+    it rather than each leaving one more thread stuck beside it in Trio's shared pool (where the
+    model host's name lookups wait too)."""
+    async with open_session_store(tmp_path / "runtime.db"), open_task_store(tmp_path / "tasks.db"):
+        pass
+    health = Health(state_dir=tmp_path, probe_timeout_s=0.1)
+    holder = sqlite3.connect(tmp_path / "tasks.db", isolation_level=None)
+    try:
+        holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+        holder.execute("BEGIN EXCLUSIVE")  # as an open sqlite3 shell might: readers wait 5 s, then fail
+        shared = trio.to_thread.current_default_thread_limiter()
+        for _ in range(6):
+            with trio.fail_after(DEADLINE_S):
+                assert await health.problems() == ["the task store check did not finish within 0.1 s"]
+            assert shared.borrowed_tokens == 0
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    with trio.fail_after(DEADLINE_S):  # the stuck check gives up by itself, and the polls recover
+        while await health.problems():
+            await trio.sleep(0.05)
 
 
 # -- the agent card -----------------------------------------------------------------------------
