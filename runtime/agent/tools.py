@@ -82,6 +82,15 @@ async def _call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
         except Exception as exc:  # a failing tool is the model's to handle; Cancelled is not caught
             logger.info("tool %s failed: %r", call.name, exc)
             return Outcome(f"error: {call.name} failed: {str(exc) or type(exc).__name__}", True)
+        except BaseExceptionGroup as group:
+            # A tool with a nursery of its own, cancelled (by its timeout or its caller) while
+            # one of its tasks failed: the failure would otherwise outlive the cancel scope and
+            # turn a timeout or a CancelTask into a crash of the run. Only the cancel goes on.
+            failed, cancelled = group.split(Exception)
+            if failed is None or cancelled is None:
+                raise
+            logger.info("tool %s failed as it was cancelled: %r", call.name, failed)
+            raise cancelled from None
         if not isinstance(text, str):
             logger.warning("tool %s returned a %s, not text", call.name, type(text).__name__)
             return Outcome(f"error: {call.name} failed: it returned no text", True)

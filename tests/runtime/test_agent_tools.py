@@ -175,6 +175,38 @@ async def test_cancelling_the_caller_is_not_a_tool_error(autojump_clock: trio.te
     assert outcomes == []
 
 
+async def untidy(_arguments: dict[str, Any]) -> str:
+    """A tool of its own nursery, one of whose tasks fails as it is cancelled."""
+
+    async def cleanup_fails() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise OSError("the scratch file was already gone")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cleanup_fails)
+        await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def test_a_tool_whose_tasks_fail_as_its_timeout_cancels_them_is_a_timed_out_tool(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    outcome = await call_tool({"untidy": make_tool("untidy", untidy, timeout_s=2)}, ToolCall("call_1", "untidy", "{}"))
+    assert (outcome.text, outcome.is_error) == ("error: untidy did not finish within 2 s", True)
+
+
+async def test_cancelling_the_caller_of_a_tool_whose_tasks_fail_as_they_are_cancelled_is_a_clean_cancel(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    outcomes = []
+    with trio.move_on_after(1.0) as scope:
+        outcomes.append(await call_tool({"untidy": make_tool("untidy", untidy)}, ToolCall("call_1", "untidy", "{}")))
+    assert scope.cancelled_caught
+    assert outcomes == []
+
+
 def test_a_tool_name_the_model_api_would_refuse_is_refused_when_the_tool_is_made() -> None:
     with pytest.raises(ValueError, match="tool name 'look up'"):
         make_tool("look up", lookup_tool().invoke)
