@@ -6,10 +6,11 @@ from runtime.agent.errors import (
 )
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.loop import AgentRun, AgentSpec, Model, Result, SteerGate
-from runtime.agent.steers import STEER_LABEL
+from runtime.agent.steers import NEXT_LABEL, STEER_LABEL
 from runtime.agent.tools import Tool
 
 __all__ = [
+    "NEXT_LABEL",
     "STEER_LABEL",
     "AgentError",
     "AgentEvent",

@@ -25,7 +25,7 @@ from runtime.agent.errors import (
     AnswerEmpty, AnswerFailed, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed,
 )
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
-from runtime.agent.steers import SteerBox, steer_message
+from runtime.agent.steers import SteerBox, labelled_after_steers, steer_message
 from runtime.agent.tools import Tool, call_tool
 from runtime.models import ChatRequest, Completion, Delta, ToolCallDelta, ToolSpec, Usage
 from runtime.models import TextDelta as ModelText
@@ -378,7 +378,7 @@ class AgentRun:
 
     def _request_messages(self) -> list[Message]:
         # Partial answers are kept for the record, never sent: the model did not finish them.
-        messages = [message for message in self.messages if not message.partial]
+        messages = labelled_after_steers([message for message in self.messages if not message.partial])
         if self.spec.system_prompt:
             messages.insert(0, Message(role="system", text=self.spec.system_prompt))
         return messages

@@ -8,6 +8,24 @@ from persistence.transcript import Message
 from runtime.agent.errors import RunFinished
 
 STEER_LABEL = "The user sent this while you were working:\n"
+# A user message sent to the model right after a steer (the turn the steer rode ended with no
+# answer): the two go as one message, and without this the question would read as more of the steer.
+NEXT_LABEL = "The user's next message:\n"
+
+
+def is_steer(message: Message) -> bool:
+    return message.role == "user" and message.text.startswith(STEER_LABEL)
+
+
+def labelled_after_steers(messages: list[Message]) -> list[Message]:
+    """``messages`` with each user message that directly follows a steer, and is not one itself,
+    labelled as the user's next message."""
+    return [
+        attrs.evolve(message, text=NEXT_LABEL + message.text)
+        if message.role == "user" and not is_steer(message) and index and is_steer(messages[index - 1])
+        else message
+        for index, message in enumerate(messages)
+    ]
 
 
 def steer_message(text: str) -> Message:

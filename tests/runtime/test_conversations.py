@@ -10,7 +10,7 @@ import pytest
 import trio
 from fake_model import FakeModel, Reply
 
-from runtime.agent import STEER_LABEL
+from runtime.agent import NEXT_LABEL, STEER_LABEL
 from runtime.runner import ANONYMOUS
 from tests.runtime.served import GATE_CALL, SYSTEM_PROMPT, Served, serve_keel
 
@@ -93,3 +93,21 @@ async def test_a_conversation_across_tools_a_steer_a_cancel_and_a_restart_is_sen
     ]  # fmt: skip
     last_said = [task["history"][0]["parts"][0]["text"] for task in listed["tasks"]]  # historyLength 1: the last message
     assert last_said == ["The gate is open again.", "Rotate the lease", "The lease expired."]
+
+
+async def test_the_question_after_a_steer_whose_turn_was_canceled_is_not_sent_as_part_of_the_steer(keel: Served) -> None:
+    keel.model.script = [
+        Reply(tool_calls=[GATE_CALL]),
+        Reply(text="Checking staging", hang_after_chunks=1),  # canceled before it is answered
+        Reply(text="Rotated."),
+    ]
+    first = await keel.send("Why did vault fail?", blocking=False)
+    await keel.gate.wait_entered()
+    await keel.send("Check staging too", blocking=False, taskId=first["id"])
+    keel.gate.opened.set()
+    await keel.wait_for_model_requests(2)  # the steer rides it
+    await keel.result("CancelTask", {"id": first["id"]})
+    await keel.send("Rotate the lease", contextId=first["contextId"])
+    # One user message, so that the roles alternate; the question under a label of its own, not
+    # read as more of what was sent while the agent worked.
+    assert sent(keel.model.bodies[2])[-1] == ("user", f"{STEER_LABEL}Check staging too\n\n{NEXT_LABEL}Rotate the lease")
