@@ -41,6 +41,7 @@ from persistence.statedir import (
     NotAStateDir,
     RestoreError,
     SnapshotError,
+    StateError,
     exclusive_use,
     fsync_dir,
     generation_lock,
@@ -237,12 +238,30 @@ def reset_state(state_dir: Path) -> list[str]:
     with generation_lock(state_dir), exclusive_use(state_dir):
         names = [name for name in list_state_dir(state_dir) if name not in LOCK_NAMES]
         names.sort(key=lambda name: (name == JOURNAL_NAME, name))
-        for name in names:
+        for done, name in enumerate(names):
             if name == JOURNAL_NAME:
                 fsync_dir(state_dir)  # everything the journal explains is durably gone before it goes
-            _remove(state_dir / name)
+            try:
+                _remove(state_dir / name)
+            except OSError as exc:
+                raise ResetStopped(state_dir, name, names[:done], exc) from exc
         fsync_dir(state_dir)
     return names
+
+
+class ResetStopped(StateError):
+    """A reset that removed some of the state directory and could not remove the rest."""
+
+    def __init__(self, state_dir: Path, name: str, removed: list[str], error: OSError) -> None:
+        self.state_dir = state_dir
+        stopped = f"state reset of {state_dir} stopped at {name}, which could not be removed ({error.strerror or error})"
+        if not removed:
+            super().__init__(f"{stopped}, before it had removed anything; fix what stopped it and run state reset again")
+            return
+        super().__init__(
+            f"{stopped}, after it had removed {', '.join(removed)}; the rest is still there. Do not serve the directory"
+            " half reset: fix what stopped it and run state reset again"
+        )
 
 
 def _remove(path: Path) -> None:

@@ -489,6 +489,26 @@ def test_a_snapshot_and_a_reset_of_a_mistyped_state_directory_leave_it_as_it_was
     assert contents(scratch) == before
 
 
+def test_a_reset_stopped_midway_says_what_it_removed_what_is_left_and_what_to_do(tmp_path: Path) -> None:
+    state = live_state(tmp_path)
+    stuck = state / "tasks.db"
+    made_immutable = subprocess.run(["chattr", "+i", str(stuck)], capture_output=True, text=True)
+    assert made_immutable.returncode == 0, f"chattr +i failed (run the suite as root on ext4): {made_immutable.stderr}"
+    try:
+        result = keel(tmp_path, "state", "reset")
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "error: state reset of .state stopped at tasks.db, which could not be removed (Operation not permitted),"
+        " after it had removed runtime.db; the rest is still there. Do not serve the directory half reset:"
+        " fix what stopped it and run state reset again"
+    )
+    assert sorted(os.listdir(state)) == [".keel-generation.lock", ".keel.lock", "tasks.db"]
+    again = keel(tmp_path, "state", "reset")
+    assert (again.returncode, again.stdout.strip()) == (0, ".state: removed tasks.db")
+
+
 def test_state_reset_takes_keel_databases_copied_in_by_hand_for_a_state_directory(tmp_path: Path) -> None:
     copied = tmp_path / "copied"
     make_db(copied / "runtime.db", SESSIONS, "copied")
