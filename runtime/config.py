@@ -14,6 +14,7 @@ import difflib
 import errno
 import ipaddress
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -70,11 +71,15 @@ class Setting:
 MAX_COUNT = 1_000_000  # far past any sensible count of model calls or connections
 
 
+# Plain ASCII decimals: Python's int() and float() also read "1_000" and other scripts' digits,
+# which no other program reading the same environment would take for these numbers.
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _whole(text: str, low: int, high: int, what: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = low - 1
+    text = text.strip()
+    value = int(text) if _WHOLE.fullmatch(text) else low - 1
     if not low <= value <= high:
         raise ValueError(what)
     return value
@@ -89,10 +94,8 @@ def _positive_int(text: str) -> int:
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        value = 0.0
+    text = text.strip()
+    value = float(text) if _DECIMAL.fullmatch(text) else 0.0
     if not 0 < value < float("inf"):
         raise ValueError("it must be a finite number of seconds greater than 0")
     return value

@@ -52,18 +52,23 @@ def test_config_reports_every_problem_at_once_and_hides_secrets() -> None:
     assert "AGENT_MODEL_API_KEY=(hidden)" in text
 
 
-@pytest.mark.parametrize("given", ["0", "1000001", "many"])
+@pytest.mark.parametrize("given", ["0", "1000001", "many", "1_000", "\uff11\uff12", "\u0661\u0662"])
 def test_a_count_out_of_range_is_refused_naming_the_range(given: str) -> None:
     with pytest.raises(ConfigError) as caught:
         Config.load({"AGENT_MAX_MODEL_CALLS": given})
     assert f"AGENT_MAX_MODEL_CALLS={given!r} is not valid: it must be a whole number from 1 to 1000000" in str(caught.value)
 
 
-@pytest.mark.parametrize("given", ["inf", "nan", "-1", "0", "soon"])
+@pytest.mark.parametrize("given", ["inf", "nan", "-1", "0", "soon", "1_0", "\uff11.5", "1e999"])
 def test_a_timeout_must_be_a_finite_number_of_seconds_and_says_so(given: str) -> None:
     with pytest.raises(ConfigError) as caught:
         Config.load({"AGENT_SEND_TIMEOUT_S": given})
     assert f"AGENT_SEND_TIMEOUT_S={given!r} is not valid: it must be a finite number of seconds greater than 0" in str(caught.value)
+
+
+@pytest.mark.parametrize(("given", "read"), [(" 12 ", 12.0), ("0.5", 0.5), (".25", 0.25), ("3.", 3.0), ("2e1", 20.0)])
+def test_a_timeout_is_read_as_a_plain_decimal_number(given: str, read: float) -> None:
+    assert Config.load({"AGENT_SEND_TIMEOUT_S": given}).send_timeout_s == read
 
 
 @pytest.mark.parametrize("setting", ["AGENT_MODEL_BASE_URL", "AGENT_PUBLIC_URL"])
