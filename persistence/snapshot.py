@@ -105,6 +105,7 @@ def create_snapshot(
         recover_locked(state_dir, exclusive_held=False)
         names = _database_names(state_dir)
         _make_backup_root(backup_root)
+        _refuse_anothers(backup_root, state_dir)
         _remove_abandoned(backup_root)
         # A server that holds the directory may not have opened its databases yet: none is then
         # a file no one will change (see _read_together), whatever is beside it.
@@ -131,6 +132,47 @@ def _make_backup_root(backup_root: Path) -> None:
         raise _unusable_backup_root(backup_root, cannot_create(existing, refusal(exc, "directories", existing))) from exc
     if why := write_refused(backup_root):
         raise _unusable_backup_root(backup_root, why)
+
+
+OWNER_NAME = ".keel-snapshots-of"
+
+
+def _refuse_anothers(backup_root: Path, state_dir: Path) -> None:
+    """Refuse a backup root that holds another state directory's snapshots.
+
+    Pruning keeps the newest snapshots in a backup root: in a root two state directories shared,
+    each would prune the other's, and the newest snapshot there, restored, could put one
+    directory's state in the other. The first snapshot published in a root names its state
+    directory (the path with every link resolved) in OWNER_NAME (_claim_backup_root); a root
+    made before there was one is claimed as it stands."""
+    owner = backup_root / OWNER_NAME
+    try:
+        theirs = owner.read_text(encoding="utf-8").removesuffix("\n")
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SnapshotError(f"{owner} cannot be read ({exc}); it names the state directory whose snapshots are there") from exc
+    if theirs != os.path.realpath(state_dir):
+        raise SnapshotError(
+            f"the backup root {backup_root} holds the snapshots of another state directory, {theirs}: give each state"
+            f" directory a backup root of its own (--backup-root or AGENT_BACKUP_ROOT), or, if {theirs} was moved"
+            f" to {state_dir}, remove {owner}"
+        )
+
+
+def _claim_backup_root(backup_root: Path, state_dir: Path, staging: Path) -> None:
+    """Name ``state_dir`` as the one whose snapshots ``backup_root`` holds, unless one is named;
+    then refuse the root if that is another. Just before a snapshot is published, so that a
+    snapshot that fails leaves no claim, and made in ``staging`` first, which a failure removes."""
+    if not os.path.lexists(backup_root / OWNER_NAME):
+        claim = staging / OWNER_NAME
+        write_new_file(claim, f"{os.path.realpath(state_dir)}\n".encode(), mode=PRIVATE_MODE)
+        try:
+            os.link(claim, backup_root / OWNER_NAME)  # whole, and never over a claim made meanwhile
+        except FileExistsError:
+            pass
+        claim.unlink()
+    _refuse_anothers(backup_root, state_dir)
 
 
 def _database_names(state_dir: Path) -> list[str]:
@@ -224,6 +266,7 @@ def _write_snapshot(
         write_new_file(staging / MANIFEST_NAME, manifest_bytes, mode=PRIVATE_MODE)
         marker = {"format_version": FORMAT_VERSION, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
         write_new_file(staging / MARKER_NAME, encode_document(marker), mode=PRIVATE_MODE)
+        _claim_backup_root(backup_root, state_dir, staging)
         fsync_dir(staging)
         target = backup_root / stamp
         os.rename(staging, target)  # the one rename that publishes it; the stamp claim keeps target free

@@ -107,7 +107,7 @@ def new_snapshot(tmp_path: Path, *, stamp: str = "20260102T030405Z", label: str 
     make_db(source / "runtime.db", SESSIONS, label, rows=5)
     make_db(source / "tasks.db", TASKS, label, rows=4)
     make_db(source / "memory.db", None, label)
-    return create_snapshot(source, tmp_path / "backups", keep=10, app_version="test", stamp=stamp)
+    return create_snapshot(source, tmp_path / f"backups-{stamp}", keep=10, app_version="test", stamp=stamp)
 
 
 def snapshot_databases(snapshot: Path) -> dict[str, bytes]:

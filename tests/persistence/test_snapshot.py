@@ -19,7 +19,7 @@ from persistence import snapshot as snapshot_module
 from persistence.manifest import read_snapshot
 from persistence.recovery import hold_state_dir
 from persistence.schema import SchemaIdentity
-from persistence.snapshot import complete_snapshots, create_snapshot
+from persistence.snapshot import OWNER_NAME, complete_snapshots, create_snapshot
 from persistence.statedir import RecoveryError, SnapshotError
 from tests.persistence.state_helpers import in_wal_mode, labels, live_databases, make_damaged_db, make_db
 
@@ -61,7 +61,7 @@ def test_snapshot_records_a_signed_manifest_of_hashed_checked_databases(state_di
         os.listdir(snapshot), 0o600
     )  # readable by their owner alone, the manifest and its marker too
     assert {entry.filename for entry in read_snapshot(snapshot).databases} == set(by_name)  # it validates
-    assert sorted(os.listdir(snapshot.parent)) == [STAMP]  # no staging and no stamp claim left behind
+    assert sorted(os.listdir(snapshot.parent)) == [OWNER_NAME, STAMP]  # no staging and no stamp claim left behind
 
 
 def test_snapshot_copies_committed_rows_while_a_writer_is_mid_transaction(state_dir: Path) -> None:
@@ -150,7 +150,7 @@ def test_what_a_snapshot_killed_midway_left_is_removed_by_the_next_one(state_dir
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         snapshot = snap(state_dir, "20260101T000002Z")
-        assert sorted(os.listdir(root)) == [busy.name, ".snapshot-20260101T000001Z.lock", snapshot.name]
+        assert sorted(os.listdir(root)) == [busy.name, OWNER_NAME, ".snapshot-20260101T000001Z.lock", snapshot.name]
     finally:
         os.close(fd)
 

@@ -350,6 +350,30 @@ def test_state_help_says_reset_deletes_all_the_directory_holds_without_asking(tm
     assert "reset delete everything in the state directory but its lock files, Keel's or not, without asking" in said
 
 
+def test_a_backup_root_keeps_the_snapshots_of_one_state_directory(tmp_path: Path) -> None:
+    first, second = live_state(tmp_path / "one"), live_state(tmp_path / "two")
+    shared = str(tmp_path / "backups")
+    made = keel(tmp_path, "state", "snapshot", "--state-dir", str(first), "--backup-root", shared, "--keep", "1",
+                "--timestamp", "20260102T030405Z")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    kept = Path(made.stdout.strip())
+
+    refused = keel(tmp_path, "state", "snapshot", "--state-dir", str(second), "--backup-root", shared, "--keep", "1")
+
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == (
+        f"error: the backup root {shared} holds the snapshots of another state directory, {os.path.realpath(first)}:"
+        " give each state directory a backup root of its own (--backup-root or AGENT_BACKUP_ROOT), or, if"
+        f" {os.path.realpath(first)} was moved to {second}, remove {shared}/.keel-snapshots-of"
+    )
+    assert kept.is_dir()  # not pruned by the other directory's snapshot
+    assert sorted(os.listdir(shared)) == [".keel-snapshots-of", kept.name]
+    named_otherwise = str(tmp_path / "one" / ".." / "one" / ".state")
+    again = keel(tmp_path, "state", "snapshot", "--state-dir", named_otherwise, "--backup-root", shared,
+                 "--timestamp", "20260102T030406Z")  # fmt: skip
+    assert again.returncode == 0, again.stderr  # the same directory, however it is named
+
+
 def test_state_snapshot_refuses_a_taken_timestamp(tmp_path: Path) -> None:
     live_state(tmp_path)
     assert keel(tmp_path, "state", "snapshot", "--timestamp", "20260102T030405Z").returncode == 0
