@@ -145,19 +145,25 @@ def _refuse_anothers(backup_root: Path, state_dir: Path) -> None:
     directory's state in the other. The first snapshot published in a root names its state
     directory (the path with every link resolved) in OWNER_NAME (_claim_backup_root); a root
     made before there was one is claimed as it stands."""
-    owner = backup_root / OWNER_NAME
-    try:
-        theirs = owner.read_text(encoding="utf-8").removesuffix("\n")
-    except FileNotFoundError:
-        return
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SnapshotError(f"{owner} cannot be read ({exc}); it names the state directory whose snapshots are there") from exc
-    if theirs != os.path.realpath(state_dir):
+    if theirs := anothers_backup_root(backup_root, state_dir):
         raise SnapshotError(
             f"the backup root {backup_root} holds the snapshots of another state directory, {theirs}: give each state"
             f" directory a backup root of its own (--backup-root or AGENT_BACKUP_ROOT), or, if {theirs} was moved"
-            f" to {state_dir}, remove {owner}"
+            f" to {state_dir}, remove {backup_root / OWNER_NAME}"
         )
+
+
+def anothers_backup_root(backup_root: Path, state_dir: Path) -> str | None:
+    """The state directory other than ``state_dir`` whose snapshots ``backup_root`` holds, if any.
+    Raises SnapshotError when the file that names it cannot be read."""
+    owner = backup_root / OWNER_NAME
+    try:
+        theirs = owner.read_text(encoding="utf-8").removesuffix("\n")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SnapshotError(f"{owner} cannot be read ({exc}); it names the state directory whose snapshots are there") from exc
+    return None if theirs == os.path.realpath(state_dir) else theirs
 
 
 def _claim_backup_root(backup_root: Path, state_dir: Path, staging: Path) -> None:

@@ -26,8 +26,10 @@ import attrs
 from persistence.errors import StoreError
 from persistence.recovery import check_recoverable
 from persistence.sessions import SESSIONS_SCHEMA
+from persistence.snapshot import anothers_backup_root
 from persistence.sqlite import inspect
 from persistence.statedir import (
+    SnapshotError,
     UnusableStateDir,
     cannot_create,
     nearest_existing,
@@ -424,4 +426,10 @@ def backup_root(env: Mapping[str, str], state_dir: Path | None) -> Path | None:
         raise ValueError(why)
     if state_dir is not None and Path(os.path.realpath(root)).is_relative_to(os.path.realpath(state_dir)):
         raise ValueError("it is inside the state directory; snapshots must go outside it")
+    try:
+        theirs = None if state_dir is None else anothers_backup_root(root, state_dir)
+    except SnapshotError as exc:
+        raise ValueError(str(exc)) from exc
+    if theirs:
+        raise ValueError(f"it holds the snapshots of another state directory, {theirs}; give each state directory its own")
     return root

@@ -357,12 +357,16 @@ def test_check_shows_every_setting_not_set_alike_and_where_snapshots_go(tmp_path
         ("{state}/backups", "it is inside the state directory; snapshots must go outside it"),
         ("{tmp}/a-file", "it is a file, not a directory"),
         ("{tmp}/a-loop", "it cannot be reached (Too many levels of symbolic links)"),
+        ("{tmp}/others", "it holds the snapshots of another state directory, {tmp}/other-state; give each state directory its own"),
     ],
 )
 def test_check_refuses_a_backup_root_snapshot_would_refuse(tmp_path: Path, root: str, said: str) -> None:
     state = tmp_path / "state"
     (tmp_path / "a-file").write_bytes(b"")
     (tmp_path / "a-loop").symlink_to("a-loop")
+    (tmp_path / "others").mkdir()
+    (tmp_path / "others" / ".keel-snapshots-of").write_text(f"{os.path.realpath(tmp_path)}/other-state\n")
+    said = said.format(tmp=os.path.realpath(tmp_path))
     root = root.format(state=state, tmp=tmp_path)
     result = run_cli("check", env={"AGENT_STATE_DIR": str(state), "AGENT_BACKUP_ROOT": root})
     assert result.returncode == 1, result.stdout
