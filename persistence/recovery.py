@@ -48,16 +48,13 @@ from persistence.rollback import (
 from persistence.statedir import (
     RESIDUE_PREFIX,
     RecoveryError,
-    acquire_use,
-    exclusive_use,
     fsync_dir,
-    generation_lock,
     list_state_dir,
     live_inventory,
     make_state_dir,
-    release_use,
     require_directory,
 )
+from persistence.statelocks import acquire_use, exclusive_use, generation_lock, release_use
 
 
 class RecoveryAction(enum.Enum):

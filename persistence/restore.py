@@ -42,9 +42,7 @@ from persistence.statedir import (
     RestoreError,
     SnapshotError,
     StateError,
-    exclusive_use,
     fsync_dir,
-    generation_lock,
     holds_keel_state,
     list_state_dir,
     live_inventory,
@@ -55,6 +53,7 @@ from persistence.statedir import (
     require_directory,
     write_all,
 )
+from persistence.statelocks import exclusive_use, generation_lock
 
 _CHUNK_BYTES = 1 << 20
 

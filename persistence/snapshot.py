@@ -34,17 +34,15 @@ from persistence.statedir import (
     encode_document,
     file_evidence,
     fsync_dir,
-    generation_lock,
     holds_keel_state,
-    in_use,
     is_db_name,
     nearest_existing,
     not_a_directory_to_use,
     refusal,
     write_new_file,
     write_refused,
-    written_by_no_one,
 )
+from persistence.statelocks import generation_lock, in_use, written_by_no_one
 
 APPLICATION = "keel"
 STAMP_FORMAT = "%Y%m%dT%H%M%SZ"

@@ -43,7 +43,7 @@ from persistence.statedir import (
 )
 from persistence.tasks import TASKS_SCHEMA
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
-from runtime.models.client import MISPLACED_AT, misplaced_at, port_unusable
+from runtime.models.endpoint import MISPLACED_AT, misplaced_at, port_unusable
 
 ORPHAN_POLICIES = ("resume", "fail")
 

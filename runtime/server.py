@@ -40,8 +40,8 @@ from hypercorn.config import Sockets
 from hypercorn.utils import repr_socket_addr
 
 from persistence.recovery import HeldStateDir, hold_state_dir
-from persistence.statedir import acquire_serving, release_use
 from persistence.sessions import SqliteSessionStore
+from persistence.statelocks import acquire_serving, release_use
 from persistence.tasks import SqliteTaskStore
 from runtime.agent import AgentSpec, Model
 from runtime.agents import agent_card, app_version, default_agent

@@ -6,16 +6,8 @@
 ``ModelError`` tree in ``runtime.models.errors``.
 """
 
-from runtime.models.client import (
-    DEFAULT_BASE_URL,
-    DEFAULT_MODEL,
-    ChatStream,
-    ModelClient,
-    ModelConfig,
-    open_model_client,
-    url_credentials,
-    without_credentials,
-)
+from runtime.models.client import ChatStream, ModelClient, open_model_client
+from runtime.models.endpoint import DEFAULT_BASE_URL, DEFAULT_MODEL, ModelConfig, url_credentials, without_credentials
 from runtime.models.errors import (
     ModelBadResponse,
     ModelError,

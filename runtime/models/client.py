@@ -5,23 +5,19 @@ call sends the whole request it is given. Failures before the server has started
 (connection refused or reset, HTTP 429, HTTP 5xx) are retried a bounded number of times with
 exponential backoff. Once the server has answered 2xx the call is never retried, streamed or not:
 part of the answer may already be in the caller's hands, and a second request would say it twice.
+Which failure is which ModelError, and which may be retried, is ``runtime.models.failures``; where
+the server is, and the secrets its URL may carry, ``runtime.models.endpoint``.
 """
 
 from __future__ import annotations
 
-import base64
-import email.utils
 import json
 import logging
-import math
-import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
 from types import TracebackType
 from typing import Any
-from urllib.parse import SplitResult, unquote, unquote_plus, urlsplit, urlunsplit
 
 import attrs
 import httpx
@@ -31,163 +27,19 @@ from persistence.transcript import Message
 from protocol import SseLines
 from protocol.sse import LineTooLong
 from runtime.models.assembly import StreamAssembler
-from runtime.models.errors import (
-    ModelBadResponse,
-    ModelError,
-    ModelRateLimited,
-    ModelRejected,
-    ModelTimeout,
-    ModelUnavailable,
-)
+from runtime.models.endpoint import ModelConfig
+from runtime.models.errors import ModelBadResponse, ModelError, ModelTimeout
+from runtime.models.failures import Failure, broken_answer, failure_of_status, failure_to_send, part_awaited
 from runtime.models.values import ChatRequest, Completion, Delta, Finish, TextDelta
 from runtime.models.wire import SAID_CHARS, parse_completion, request_body
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BASE_URL = "http://127.0.0.1:11434/v1"  # a local Ollama
-DEFAULT_MODEL = "qwen3:4b-instruct"
 _DETAIL_CHARS = 2000  # how much of a server's error body is kept for the logs
 # Far past any answer the agent keeps (a message is at most 1 MiB stored, ~6 MiB JSON-escaped):
 # a server that sends more is not answering, and is not held in memory to find that out.
 MAX_BODY_BYTES = 32 << 20
 MAX_LINE_CHARS = 16 << 20  # one line of a streamed answer, and one event's data lines together: one chunk of it
-
-
-def _check_base_url(_instance: object, _attribute: object, url: str) -> None:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"the model base URL must be an http:// or https:// URL with a host, for example {DEFAULT_BASE_URL}")
-    if misplaced_at(url):
-        raise ValueError(MISPLACED_AT)
-    if port_unusable(parts):
-        raise ValueError(f"the model base URL's port must be a whole number from 1 to 65535, for example {DEFAULT_BASE_URL}")
-
-
-def port_unusable(parts: SplitResult) -> bool:
-    """Whether a URL names a port no server listens on: past 65535, or 0 (which urlsplit takes)."""
-    try:
-        return parts.port == 0
-    except ValueError:
-        return True
-
-
-MISPLACED_AT = (
-    "it holds an '@' after its host: credentials holding '/', '?' or '#' must be percent-encoded"
-    " (%2F, %3F, %23) to be read as credentials rather than as the host and path"
-)
-
-
-def misplaced_at(url: str) -> bool:
-    """Whether ``url`` holds an '@' that is not the end of its credentials: one in its path,
-    query or fragment, where a password written with a '/', '?' or '#' puts it."""
-    parts = urlsplit(url)
-    return "@" in parts.path or "@" in parts.query or "@" in parts.fragment
-
-
-# Stands in for a character a URL parser drops (see without_credentials): a private-use one,
-# which it keeps.
-_HELD = 0xE000
-
-
-def without_credentials(url: str) -> str:
-    """``url`` as it may be shown: what it carries before an ``@`` (a user name can be a key
-    too, and a password is one), and the values of its query (where some APIs take their key),
-    replaced by ``***``. What a URL parser drops (a tab or a newline within it, control
-    characters and spaces at either end) is shown where it was: the URL shown is the one given."""
-    held = "".join(chr(_HELD + ord(c)) if c <= " " else c for c in url)
-    return "".join(chr(ord(c) - _HELD) if _HELD <= ord(c) <= _HELD + 0x20 else c for c in _masked(held))
-
-
-def _masked(url: str) -> str:
-    try:
-        scheme, slashes, rest = url.partition("//")
-        if slashes and "@" in rest:
-            # Up to the last '@', wherever it is: a password may hold a '/', '?' or '#' that
-            # was not percent-encoded, and then urlsplit takes part of it for the path or query.
-            url = f"{scheme}//***@{rest.rpartition('@')[2]}"
-        parts = urlsplit(url)
-        query = "&".join(f"{name.partition('=')[0]}=***" for name in parts.query.split("&")) if parts.query else ""
-        return urlunsplit(parts._replace(query=query))
-    except ValueError:
-        return "(not shown: it cannot be read as a URL)"
-
-
-def url_credentials(url: str) -> tuple[str, str]:
-    """The user name and password ``url`` carries before its ``@``, decoded: what httpx sends
-    as HTTP Basic auth when either is not empty. ``("", "")`` when it carries none."""
-    parts = urlsplit(url)
-    return unquote(parts.username or ""), unquote(parts.password or "")
-
-
-@attrs.frozen
-class ModelConfig:
-    """Where the model is and how long to wait for it.
-
-    ``read_timeout_s`` bounds each wait for data: for the answer to start, and between two
-    pieces of it (keep-alive comments and events with empty data in a stream, and whitespace in
-    a whole JSON answer, are not data). A bound on the whole call is the caller's
-    ``trio.fail_after``. At most ``max_connections`` requests are open at once; the others wait
-    their turn for as long as it takes (as a model server queues what it cannot run yet), never
-    failing for it.
-    """
-
-    base_url: str = attrs.field(default=DEFAULT_BASE_URL, validator=_check_base_url, repr=without_credentials)
-    model: str = attrs.field(default=DEFAULT_MODEL, validator=attrs.validators.min_len(1))
-    api_key: str | None = attrs.field(default=None, repr=False)
-    connect_timeout_s: float = attrs.field(default=5.0, validator=attrs.validators.gt(0))
-    read_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
-    max_retries: int = attrs.field(default=2, validator=attrs.validators.ge(0))
-    backoff_base_s: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
-    backoff_max_s: float = attrs.field(default=8.0, validator=attrs.validators.ge(0))
-    max_connections: int = attrs.field(default=100, validator=attrs.validators.ge(1))
-
-    def __attrs_post_init__(self) -> None:
-        # httpx would send the URL's credentials as HTTP Basic auth in place of the key.
-        if self.api_key and any(url_credentials(self.base_url)):
-            raise ValueError(
-                "the model base URL carries credentials (before its '@') and an API key is given too: only one can be"
-                " sent; take them out of the URL to send the key, or give no key to send them as HTTP Basic auth"
-            )
-
-    def url(self, path: str) -> str:
-        """``path`` under the base URL, its query (where some APIs take a version) kept."""
-        parts = urlsplit(self.base_url)
-        return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{path}"))
-
-    @property
-    def endpoint(self) -> str:
-        """The base URL without credentials or query, fit for a log line or an operator."""
-        parts = urlsplit(self.base_url)
-        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-        port = f":{parts.port}" if parts.port else ""
-        return f"{parts.scheme}://{host}{port}{parts.path}"
-
-    def scrub(self, text: str) -> str:
-        """``text`` (what a server or the transport said) with the secrets of this config masked,
-        in each form a server may repeat them: the API key; the base URL's credentials as the
-        HTTP Basic token they are sent as, as ``user:password`` (decoded or as written), and the
-        password alone, or the user name alone when it comes without one (a key, then)."""
-        for secret, mask in self._secrets():
-            text = text.replace(secret, mask)
-        return text
-
-    def _secrets(self) -> list[tuple[str, str]]:
-        found = [(self.api_key, "[api key]")] if self.api_key else []
-        user, password = url_credentials(self.base_url)
-        if user or password:
-            parts = urlsplit(self.base_url)
-            written_user, written_password = parts.username or "", parts.password or ""
-            token = base64.b64encode(f"{user}:{password}".encode()).decode()
-            alone = (password, written_password) if password else (user, written_user)
-            candidates = (token, token.rstrip("="), f"{user}:{password}", f"{written_user}:{written_password}", *alone)
-            found.extend((secret, "[credentials]") for secret in candidates if secret)
-        # The values of its query (where some APIs take their key), as written and decoded:
-        # sent with every request, and hidden wherever the URL is shown. A value too short to
-        # be a key (``v=1``) is left, or every "1" of what the server said would be masked.
-        query = urlsplit(self.base_url).query
-        values = {form for pair in query.split("&") for form in (pair.partition("=")[2], unquote_plus(pair.partition("=")[2]))}
-        found.extend((value, "[query value]") for value in sorted(values, key=len, reverse=True) if len(value) >= 8)
-        return found
 
 
 @asynccontextmanager
@@ -233,27 +85,7 @@ class _OneChunk:
         return body
 
 
-@attrs.frozen
-class _Failure:
-    error: ModelError
-    retry: bool
-    retry_after_s: float | None = None
 
-
-# A base URL given as the server's bare address, without the /v1 Ollama, vLLM and llama.cpp
-# serve their API under: the most common reason for a 404. (A path of its own is a gateway's.)
-_NO_PATH_HINT = (
-    "; the base URL has no path: add the /v1 that OpenAI-compatible servers serve under to AGENT_MODEL_BASE_URL"
-    " (or --model-base-url)"
-)
-# How servers refuse a request that holds more tokens than the model reads at once: OpenAI's
-# code, vLLM's words, llama.cpp's (error type and words), and those of others like them.
-_TOO_LONG_MARKERS = ("context_length_exceeded", "maximum context length", "context length", "context size", "context window")
-_TOO_LONG = "the conversation is longer than the model can read at once"
-_TOO_LONG_HINT = "; send the next message without a contextId, to start a new conversation"
-# A redirect is not followed (a POST would be sent again as a GET, a key to another host):
-# the base URL is to say where the server is.
-_REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
 # A body of text/html: a proxy's or a login page's, not the API's.
 WEB_PAGE = "the server answered with a web page (text/html)"
 
@@ -348,14 +180,14 @@ class ModelClient:
                 request.stream = _Body(request.content)
                 response = await self._http.send(request, stream=True)
             except httpx.RequestError as exc:
-                failure = self._failure_to_send(exc, attempt, waiting_for)
+                failure = failure_to_send(self.config, exc, attempt, waiting_for)
             else:
                 if response.is_success:
                     return response
-                failure = await self._failure_status(response, attempt)
+                failure = failure_of_status(self.config, response, await self._body_start(response), attempt)
             await self._wait_to_retry(failure, attempt)
 
-    async def _wait_to_retry(self, failure: _Failure, attempt: int) -> None:
+    async def _wait_to_retry(self, failure: Failure, attempt: int) -> None:
         """Sleep before the next attempt, or raise the failure's error if there is none."""
         if not failure.retry or attempt > self.config.max_retries:
             raise failure.error
@@ -376,26 +208,6 @@ class ModelClient:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         return headers
 
-    def _failure_to_send(self, exc: httpx.RequestError, attempt: int, waiting_for: str) -> _Failure:
-        """Errors before any response: the server has produced nothing, so retrying is safe."""
-        model, detail = self.config.model, self._detail(exc)
-        if isinstance(exc, httpx.ConnectTimeout):
-            error = ModelTimeout(model, "a connection", self.config.connect_timeout_s, detail=detail, attempts=attempt)
-            return _Failure(error, retry=True)
-        if isinstance(exc, httpx.TimeoutException):
-            # The server took the request and is slow to answer it; asking again would only add load.
-            error = ModelTimeout(model, waiting_for, self.config.read_timeout_s, detail=detail, attempts=attempt)
-            return _Failure(error, retry=False)
-        tls = _tls_failure(exc)
-        if tls is not None:  # a matter of settings or certificates: trying again changes nothing
-            return _Failure(ModelUnavailable(model, tls, detail=detail, attempts=attempt), retry=False)
-        if isinstance(exc, httpx.ConnectError):
-            return _Failure(ModelUnavailable(model, "the model server cannot be reached", detail=detail, attempts=attempt), retry=True)
-        if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
-            reason = "the connection broke before the answer started"
-            return _Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)
-        return _Failure(ModelUnavailable(model, "the request could not be sent", detail=detail, attempts=attempt), retry=False)
-
     async def _body_start(self, response: httpx.Response) -> str:
         """For the logs: the start of a body that is not an answer (an error's, a web page's),
         scrubbed; only that much is read, and that not forever. The response is closed after."""
@@ -409,30 +221,6 @@ class ModelClient:
             await response.aclose()
         return self._scrub_cut(f"HTTP {response.status_code}: {body.decode('utf-8', 'replace')}")
 
-    async def _failure_status(self, response: httpx.Response, attempt: int) -> _Failure:
-        model, status = self.config.model, response.status_code
-        detail = await self._body_start(response)
-        retry_after_s = _retry_after_s(response.headers.get("retry-after"))
-        if status == 429:
-            error: ModelError = ModelRateLimited(model, retry_after_s=retry_after_s, detail=detail, attempts=attempt)
-            return _Failure(error, retry=True, retry_after_s=retry_after_s)
-        if status >= 500:
-            error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
-            return _Failure(error, retry=True, retry_after_s=retry_after_s)
-        if status >= 400:
-            if status in (400, 413, 422) and any(marker in detail.lower() for marker in _TOO_LONG_MARKERS):
-                error = ModelRejected(model, status, detail=detail, attempts=attempt, meaning=_TOO_LONG, hint=_TOO_LONG_HINT)
-                return _Failure(error, retry=False)
-            hint = _NO_PATH_HINT if status == 404 and urlsplit(self.config.base_url).path in ("", "/") else ""
-            error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=self._credentials_sent(), hint=hint)
-            return _Failure(error, retry=False)
-        reason = f"the server answered HTTP {status}"
-        if response.has_redirect_location:  # http:// to a server that wants https://, say; not followed
-            reason += f", a redirect{_REDIRECT_HINT}"
-            detail = f"it redirects to {self._scrub(without_credentials(response.headers['location']))}; {detail}"
-        error = ModelBadResponse(model, reason, detail=detail, status=status, attempts=attempt)
-        return _Failure(error, retry=False)
-
     async def _read_json(self, response: httpx.Response) -> Any:
         """A whole JSON body, at most MAX_BODY_BYTES of it. Each wait for more of it is bounded
         by ``read_timeout_s``; whitespace (what a gateway may send to keep a slow answer's
@@ -443,13 +231,13 @@ class ModelClient:
             with trio.CancelScope(deadline=trio.current_time() + timeout_s) as quiet:
                 await _read_at_most(response, MAX_BODY_BYTES + 1, quiet=quiet, quiet_s=timeout_s, into=pieces)
         except httpx.RequestError as exc:
-            raise self._broken_answer(exc, started=_any_data(pieces)) from exc
+            raise broken_answer(self.config, exc, started=_any_data(pieces)) from exc
         finally:
             await response.aclose()
         if quiet.cancelled_caught:
             started = _any_data(pieces)
             detail = "part of the JSON arrived, then whitespace at most" if started else "no JSON arrived, whitespace at most"
-            raise ModelTimeout(model, _waiting_for(started), timeout_s, detail=detail)
+            raise ModelTimeout(model, part_awaited(started), timeout_s, detail=detail)
         raw = b"".join(pieces)
         if len(raw) > MAX_BODY_BYTES:
             raise ModelBadResponse(model, f"the body is larger than {MAX_BODY_BYTES} bytes")
@@ -461,40 +249,11 @@ class ModelClient:
             reason = WEB_PAGE + ", not JSON" if media == "text/html" else "the body is not JSON"  # a proxy's error page, say
             raise ModelBadResponse(model, reason, detail=detail) from exc
 
-    def _broken_answer(self, exc: httpx.RequestError, *, started: bool) -> ModelError:
-        """The error for a failure after the server answered 2xx: never retried. ``started``:
-        whether any of the answer had arrived."""
-        model, detail = self.config.model, self._detail(exc)
-        if isinstance(exc, httpx.TimeoutException):
-            return ModelTimeout(model, _waiting_for(started), self.config.read_timeout_s, detail=detail)
-        if isinstance(exc, httpx.DecodingError):
-            return ModelBadResponse(model, "the body could not be decoded", detail=detail)
-        where = "in the middle of the answer" if started else "before the answer started"
-        return ModelUnavailable(model, f"the connection broke {where}", detail=detail)
-
-    def _detail(self, exc: Exception) -> str:
-        """What the transport said, with what caused it (httpx's own words are often empty)."""
-        return self._scrub("; from ".join(f"{type(link).__name__}: {link}" for link in _causes(exc)))
-
-    def _credentials_sent(self) -> str | None:
-        if self.config.api_key:
-            return "the API key"
-        return "the credentials in the base URL" if any(url_credentials(self.config.base_url)) else None
-
     def _scrub_cut(self, text: str) -> str:
         """``text`` scrubbed, then cut to what the log keeps (in that order: a secret across the
         cut would no longer match)."""
-        return self._scrub(text)[:_DETAIL_CHARS]
-
-    def _scrub(self, text: str) -> str:
         # Some servers echo the key or the credentials they refused; logs should not keep them either.
-        return self.config.scrub(text)
-
-
-def _waiting_for(started: bool) -> str:
-    """What a timeout after a 2xx answer was waiting for: ``started``, whether any of the answer
-    had arrived (keep-alive comments, whitespace and a stream's opening role are none of it)."""
-    return "the rest of the answer" if started else "the answer to start"
+        return self.config.scrub(text)[:_DETAIL_CHARS]
 
 
 def _any_data(pieces: list[bytes]) -> bool:
@@ -545,48 +304,6 @@ async def _unwind(chunks: AsyncIterator[bytes]) -> None:
         except httpx.RequestError:
             pass  # the caller has left this body; how its last bytes failed is no one's concern
 
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    """``exc`` and what caused it, outermost first (at most a few links)."""
-    chain: list[BaseException] = []
-    link: BaseException | None = exc
-    while link is not None and link not in chain and len(chain) < 4:
-        chain.append(link)
-        link = link.__cause__ or link.__context__
-    return chain
-
-
-def _tls_failure(exc: BaseException) -> str | None:
-    """Why a TLS handshake failed, in words for a client and what to change, or None."""
-    for link in _causes(exc):
-        if isinstance(link, ssl.SSLCertVerificationError):
-            return (
-                "its TLS certificate is not trusted here; give the server a certificate this machine trusts"
-                " (or add its authority to the system's trust store)"
-            )
-        if isinstance(link, ssl.SSLError):
-            if link.reason == "WRONG_VERSION_NUMBER":
-                return "it does not speak TLS at that address; check http:// or https:// in AGENT_MODEL_BASE_URL"
-            return "the TLS handshake with it failed"
-    return None
-
-
-def _retry_after_s(value: str | None) -> float | None:
-    """Retry-After in seconds, given as seconds or as an HTTP-date (a date gone by: 0); None
-    when absent or unreadable."""
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:  # "-0000": UTC, as HTTP-dates always are
-            when = when.replace(tzinfo=timezone.utc)
-        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 @attrs.define(eq=False)
@@ -696,7 +413,7 @@ class ChatStream:
             if self._pending:
                 return self._pending.popleft()
             raise StopAsyncIteration
-        waiting_for, detail = _waiting_for(self._assembler.started), "no data arrived in that time, keep-alive comments at most"
+        waiting_for, detail = part_awaited(self._assembler.started), "no data arrived in that time, keep-alive comments at most"
         raise ModelTimeout(self._client.config.model, waiting_for, timeout_s, detail=detail)
 
     async def _read_line(self) -> str | None:
@@ -730,7 +447,7 @@ class ChatStream:
             if self._assembler.finished:  # the answer is whole; only the end of the body was lost
                 self._cut_off = True
                 return None
-            raise self._client._broken_answer(exc, started=self._assembler.started) from exc
+            raise broken_answer(self._client.config, exc, started=self._assembler.started) from exc
         finally:
             self._body_ended = ended
 

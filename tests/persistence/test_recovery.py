@@ -18,11 +18,9 @@ from persistence.statedir import (
     StateBusy,
     StateError,
     UnusableStateDir,
-    acquire_serving,
     encode_document,
-    exclusive_use,
-    release_use,
 )
+from persistence.statelocks import acquire_serving, exclusive_use, release_use
 from tests.persistence.state_helpers import (
     SESSIONS,
     fill,

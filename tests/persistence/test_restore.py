@@ -23,10 +23,9 @@ from persistence.statedir import (
     RestoreError,
     SnapshotError,
     StateBusy,
-    acquire_serving,
     encode_document,
-    release_use,
 )
+from persistence.statelocks import acquire_serving, release_use
 from tests.persistence.state_helpers import (
     CHILD_TIMEOUT_S,
     fill,

@@ -1,0 +1,180 @@
+"""What a failed exchange with the model server is: a typed ModelError, and whether to try again.
+
+A failure before any response (the transport's exception), a response that is not 2xx (its status,
+its Retry-After and the start of its body) and a failure after a 2xx answer each become one error
+of ``runtime.models.errors``, with the reason a client may be shown and the detail only the logs
+keep. Deciding which, and whether another attempt is safe, needs no connection: it is apart from
+the client that sends the requests and sleeps between attempts, and can be read on its own.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import ssl
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import attrs
+import httpx
+
+from runtime.models.endpoint import url_credentials, without_credentials
+from runtime.models.errors import (
+    ModelBadResponse,
+    ModelError,
+    ModelRateLimited,
+    ModelRejected,
+    ModelTimeout,
+    ModelUnavailable,
+)
+
+if TYPE_CHECKING:
+    from runtime.models.endpoint import ModelConfig
+
+
+@attrs.frozen
+class Failure:
+    """One attempt's failure: its error, whether another attempt may follow, and after how long
+    the server asked it to (Retry-After), if it did."""
+
+    error: ModelError
+    retry: bool
+    retry_after_s: float | None = None
+
+
+# A base URL given as the server's bare address, without the /v1 Ollama, vLLM and llama.cpp
+# serve their API under: the most common reason for a 404. (A path of its own is a gateway's.)
+_NO_PATH_HINT = (
+    "; the base URL has no path: add the /v1 that OpenAI-compatible servers serve under to AGENT_MODEL_BASE_URL"
+    " (or --model-base-url)"
+)
+# How servers refuse a request that holds more tokens than the model reads at once: OpenAI's
+# code, vLLM's words, llama.cpp's (error type and words), and those of others like them.
+_TOO_LONG_MARKERS = ("context_length_exceeded", "maximum context length", "context length", "context size", "context window")
+_TOO_LONG = "the conversation is longer than the model can read at once"
+_TOO_LONG_HINT = "; send the next message without a contextId, to start a new conversation"
+# A redirect is not followed (a POST would be sent again as a GET, a key to another host):
+# the base URL is to say where the server is.
+_REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
+
+
+def failure_to_send(config: ModelConfig, exc: httpx.RequestError, attempt: int, waiting_for: str) -> Failure:
+    """Errors before any response: the server has produced nothing, so retrying is safe.
+    ``waiting_for``: what a read timeout says it waited for."""
+    model, detail = config.model, _detail(config, exc)
+    if isinstance(exc, httpx.ConnectTimeout):
+        error = ModelTimeout(model, "a connection", config.connect_timeout_s, detail=detail, attempts=attempt)
+        return Failure(error, retry=True)
+    if isinstance(exc, httpx.TimeoutException):
+        # The server took the request and is slow to answer it; asking again would only add load.
+        error = ModelTimeout(model, waiting_for, config.read_timeout_s, detail=detail, attempts=attempt)
+        return Failure(error, retry=False)
+    tls = _tls_failure(exc)
+    if tls is not None:  # a matter of settings or certificates: trying again changes nothing
+        return Failure(ModelUnavailable(model, tls, detail=detail, attempts=attempt), retry=False)
+    if isinstance(exc, httpx.ConnectError):
+        return Failure(ModelUnavailable(model, "the model server cannot be reached", detail=detail, attempts=attempt), retry=True)
+    if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
+        reason = "the connection broke before the answer started"
+        return Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)
+    return Failure(ModelUnavailable(model, "the request could not be sent", detail=detail, attempts=attempt), retry=False)
+
+
+def failure_of_status(config: ModelConfig, response: httpx.Response, detail: str, attempt: int) -> Failure:
+    """A response that is not 2xx, ``detail`` being the start of its body as the logs keep it:
+    429 and 5xx may be tried again, a 4xx or a redirect may not."""
+    model, status = config.model, response.status_code
+    retry_after_s = _retry_after_s(response.headers.get("retry-after"))
+    if status == 429:
+        error: ModelError = ModelRateLimited(model, retry_after_s=retry_after_s, detail=detail, attempts=attempt)
+        return Failure(error, retry=True, retry_after_s=retry_after_s)
+    if status >= 500:
+        error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
+        return Failure(error, retry=True, retry_after_s=retry_after_s)
+    if status >= 400:
+        if status in (400, 413, 422) and any(marker in detail.lower() for marker in _TOO_LONG_MARKERS):
+            error = ModelRejected(model, status, detail=detail, attempts=attempt, meaning=_TOO_LONG, hint=_TOO_LONG_HINT)
+            return Failure(error, retry=False)
+        hint = _NO_PATH_HINT if status == 404 and urlsplit(config.base_url).path in ("", "/") else ""
+        error = ModelRejected(model, status, detail=detail, attempts=attempt, sent=_credentials_sent(config), hint=hint)
+        return Failure(error, retry=False)
+    reason = f"the server answered HTTP {status}"
+    if response.has_redirect_location:  # http:// to a server that wants https://, say; not followed
+        reason += f", a redirect{_REDIRECT_HINT}"
+        detail = f"it redirects to {config.scrub(without_credentials(response.headers['location']))}; {detail}"
+    error = ModelBadResponse(model, reason, detail=detail, status=status, attempts=attempt)
+    return Failure(error, retry=False)
+
+
+def broken_answer(config: ModelConfig, exc: httpx.RequestError, *, started: bool) -> ModelError:
+    """The error for a failure after the server answered 2xx: never retried. ``started``:
+    whether any of the answer had arrived."""
+    model, detail = config.model, _detail(config, exc)
+    if isinstance(exc, httpx.TimeoutException):
+        return ModelTimeout(model, part_awaited(started), config.read_timeout_s, detail=detail)
+    if isinstance(exc, httpx.DecodingError):
+        return ModelBadResponse(model, "the body could not be decoded", detail=detail)
+    where = "in the middle of the answer" if started else "before the answer started"
+    return ModelUnavailable(model, f"the connection broke {where}", detail=detail)
+
+
+def part_awaited(started: bool) -> str:
+    """What a timeout after a 2xx answer was waiting for: ``started``, whether any of the answer
+    had arrived (keep-alive comments, whitespace and a stream's opening role are none of it)."""
+    return "the rest of the answer" if started else "the answer to start"
+
+
+def _detail(config: ModelConfig, exc: Exception) -> str:
+    """What the transport said, with what caused it (httpx's own words are often empty), scrubbed:
+    some servers echo the key or the credentials they refused, and logs should not keep them."""
+    return config.scrub("; from ".join(f"{type(link).__name__}: {link}" for link in _causes(exc)))
+
+
+def _credentials_sent(config: ModelConfig) -> str | None:
+    if config.api_key:
+        return "the API key"
+    return "the credentials in the base URL" if any(url_credentials(config.base_url)) else None
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what caused it, outermost first (at most a few links)."""
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and link not in chain and len(chain) < 4:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    return chain
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    """Why a TLS handshake failed, in words for a client and what to change, or None."""
+    for link in _causes(exc):
+        if isinstance(link, ssl.SSLCertVerificationError):
+            return (
+                "its TLS certificate is not trusted here; give the server a certificate this machine trusts"
+                " (or add its authority to the system's trust store)"
+            )
+        if isinstance(link, ssl.SSLError):
+            if link.reason == "WRONG_VERSION_NUMBER":
+                return "it does not speak TLS at that address; check http:// or https:// in AGENT_MODEL_BASE_URL"
+            return "the TLS handshake with it failed"
+    return None
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """Retry-After in seconds, given as seconds or as an HTTP-date (a date gone by: 0); None
+    when absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # "-0000": UTC, as HTTP-dates always are
+            when = when.replace(tzinfo=timezone.utc)
+        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
