@@ -99,6 +99,7 @@ class RunnerConfig:
     orphans: str = "resume"  # or "fail": what to do with tasks a dead process left unfinished
     drain_timeout_s: float = 10.0
     cleanup_timeout_s: float = 5.0
+    model_endpoint: str = ""  # where the model is served, for the log (no credentials): ModelConfig.endpoint
 
 
 @attrs.define(eq=False)
@@ -150,6 +151,7 @@ class Runner:
                 await self._adopt_orphans()
                 task_status.started(self)
                 await self._stopping.wait()
+                running = len(self._live)
                 try:
                     with trio.move_on_after(self.config.drain_timeout_s) as self._drain:
                         if self._hurried:
@@ -161,6 +163,8 @@ class Runner:
                         self._say_cut("are canceled at once, the drain cut short")
                     raise
                 self._drained = True
+                if running and not self._live:
+                    logger.info("shutting down: every task running finished")
                 if self._hurried:
                     self._say_cut("are canceled at once, the drain cut short")
                 else:
@@ -263,10 +267,14 @@ class Runner:
         if self._nursery is None:  # the runner is not running (not yet, or no longer)
             raise UnsupportedOperation(STOPPING)
         created: list[Task | Exception | str] = []  # what came of it: a task id when the message was taken before
-        done = trio.Event()
+        done, left = trio.Event(), trio.Event()  # left: no one waits for what comes of it (its client went)
         self._sending.enter()  # from now: the drain waits for this write (up to its bound)
-        self._nursery.start_soon(self._create, owner, task, params, created, done, name=f"send {task_id}")
-        await done.wait()
+        self._nursery.start_soon(self._create, owner, task, params, created, done, left, name=f"send {task_id}")
+        try:
+            await done.wait()
+        finally:
+            if not done.is_set():
+                left.set()
         if not created:  # given up on as the server stopped: it may land yet, and the next process run it
             raise UnsupportedOperation(
                 f"the server is shutting down and could not confirm task {task_id!r}; send the same message again"
@@ -279,9 +287,16 @@ class Runner:
         return created[0]
 
     async def _create(
-        self, owner: str, task: Task, params: SendMessageParams, created: list[Task | Exception | str], done: trio.Event
+        self,
+        owner: str,
+        task: Task,
+        params: SendMessageParams,
+        created: list[Task | Exception | str],
+        done: trio.Event,
+        left: trio.Event,
     ) -> None:
-        """Write a new task SUBMITTED and start its run; what came of it goes to ``created``."""
+        """Write a new task SUBMITTED and start its run; what came of it goes to ``created``, and
+        a failure to the log only once its sender has ``left`` (who raises it logs it)."""
         try:
             with trio.CancelScope() as scope:  # cancelled by the drain, once it gives up on sends
                 self._creating.add(scope)
@@ -300,8 +315,9 @@ class Runner:
                 created.append(task)
         except store_errors.MessageTaken as taken:
             created.append(taken.task_id)
-        except Exception as exc:  # the client is told, if it is still there; the log has it either way
-            logger.warning("new task %s was not taken: %s", task.id, exc)
+        except Exception as exc:  # the client is told, if it is still there; else the log has it
+            if left.is_set():
+                logger.warning("new task %s was not taken: %s", task.id, exc)
             created.append(exc)
         finally:
             done.set()
@@ -709,13 +725,22 @@ class Runner:
                 try:
                     result = await run.run()
                 except (AgentError, ModelError) as exc:
-                    said = f"; the server said: {exc.detail}" if isinstance(exc, ModelError) and exc.detail else ""
-                    if exc.__cause__ is None:
-                        logger.info("task %s failed: %r%s", task.id, exc, said)
-                    else:  # a store or connection failure: what it said is for the log alone
-                        logger.warning("task %s failed: %r, from %r%s", task.id, exc, exc.__cause__, said)
+                    self._say_failed(task, exc)
                     return settle(TaskState.FAILED, f"The task failed: {exc}")
         return self._completed(live, result.output)
+
+    def _say_failed(self, task: Task, exc: AgentError | ModelError) -> None:
+        """One line: a model that failed is the operator's to look at, named with where it is
+        served and what it said; a turn the agent ended (its budget spent, say) is not."""
+        about = f"task {task.id} (context {task.context_id}) failed: {exc}"
+        if isinstance(exc, ModelError):
+            where = f"; the model server is {self.config.model_endpoint}" if self.config.model_endpoint else ""
+            said = f"; it said: {exc.detail}" if exc.detail else ""
+            logger.warning("%s%s%s", about, where, said)
+        elif exc.__cause__ is None:
+            logger.info("%s", about)
+        else:  # a store failure: what it said is for the log alone
+            logger.warning("%s, from %r", about, exc.__cause__)
 
     @asynccontextmanager
     async def _taking_turn(self, live: LiveTask) -> AsyncIterator[None]:

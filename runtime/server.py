@@ -165,7 +165,8 @@ async def _serve_in(
         await nursery.start(_outliving_cancellation, tasks, writers)
         async with _model_clients(config, in_process) as (model, catalog):
             runner_config = RunnerConfig(
-                orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s
+                orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s,
+                model_endpoint=catalog.endpoint,
             )
             runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
             try:
@@ -221,7 +222,9 @@ async def _serve_http(
         # finish (a client can still follow, get or cancel its task). Once every run has
         # settled, HTTP closes, with a short grace for the requests still in flight.
         await shutdown.wait()
-        logger.info("shutting down: no new tasks; runs have %g s to finish", config.drain_timeout_s)
+        running = runner.statistics().running
+        drain = f"{running} task(s) running have {config.drain_timeout_s:g} s to finish" if running else "no task is running"
+        logger.info("shutting down: no new tasks; %s", drain)
         runner.stop()
         async with trio.open_nursery() as watching:  # this trigger's own, over when the drain is
             if hurry is not None:
@@ -270,6 +273,7 @@ async def _model_clients(config: Config, in_process: InProcessModel | None) -> A
     # Readiness asks the catalog once, quickly: a probe that retried with backoff would make
     # /healthz slow exactly when the model server is down.
     probe_config = attrs.evolve(model_config, max_retries=0, connect_timeout_s=1.0, read_timeout_s=2.0)
+    logger.info("model %r at %s", model_config.model, model_config.endpoint)
     async with open_model_client(model_config) as model, open_model_client(probe_config) as catalog:
         yield model, catalog
 

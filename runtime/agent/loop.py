@@ -403,9 +403,10 @@ class AgentRun:
             logger.warning("%s (%r)", exc, exc.__cause__)
 
     async def _call_tools(self, tools: dict[str, Tool], calls: Sequence[ToolCall]) -> None:
+        task_id = self.session.task_id if self.session else None
         for call in calls:
             self.on_event(ToolCalled(call))
-            outcome = await call_tool(tools, call)
+            outcome = await call_tool(tools, call, task_id=task_id)
             result = _fitted(Message(role="tool", text=outcome.text, tool_call_id=call.id, name=call.name), self._max_message_bytes)
             self.messages.append(result)
             self.on_event(ToolResult(call.id, call.name, result.text, outcome.is_error))

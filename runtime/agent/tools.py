@@ -49,18 +49,19 @@ class Outcome:
     is_error: bool
 
 
-async def call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
+async def call_tool(tools: Mapping[str, Tool], call: ToolCall, *, task_id: str | None = None) -> Outcome:
     """Check and run one tool call within the tool's timeout; every failure is an error Outcome.
 
     Blocks until the tool returns or its timeout passes. Cancellation of the caller propagates
     (it ends the tool too); nothing else is raised. The outcome's text is Unicode text, as the
     transcript stores it, whatever the model or the tool put in it (a lone surrogate, say).
+    A tool that fails or runs out of time is logged in one line, naming ``task_id`` if given.
     """
-    outcome = await _call_tool(tools, call)
+    outcome = await _call_tool(tools, call, f"task {task_id}: " if task_id else "")
     return Outcome(unicode_text(outcome.text), outcome.is_error)
 
 
-async def _call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
+async def _call_tool(tools: Mapping[str, Tool], call: ToolCall, about: str) -> Outcome:
     tool = tools.get(call.name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
@@ -80,7 +81,7 @@ async def _call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
         try:
             text = await tool.invoke(arguments)
         except Exception as exc:  # a failing tool is the model's to handle; Cancelled is not caught
-            logger.info("tool %s failed: %r", call.name, exc)
+            logger.info("%stool %r failed: %r", about, call.name, exc)
             return Outcome(f"error: {call.name} failed: {str(exc) or type(exc).__name__}", True)
         except BaseExceptionGroup as group:
             # A tool with a nursery of its own, cancelled (by its timeout or its caller) while
@@ -89,15 +90,16 @@ async def _call_tool(tools: Mapping[str, Tool], call: ToolCall) -> Outcome:
             failed, cancelled = group.split(Exception)
             if failed is None or cancelled is None:
                 raise
-            logger.info("tool %s failed as it was cancelled: %r", call.name, failed)
+            logger.info("%stool %r failed as it was cancelled: %r", about, call.name, failed)
             raise cancelled from None
         if not isinstance(text, str):
-            logger.warning("tool %s returned a %s, not text", call.name, type(text).__name__)
+            logger.warning("%stool %r returned a %s, not text", about, call.name, type(text).__name__)
             return Outcome(f"error: {call.name} failed: it returned no text", True)
         # call_tool makes it Unicode text: a file name read with errors="surrogateescape" is not.
         return Outcome(text, False)
     # The tool's own scope ran out. A tool that ignores cancellation (a blocking call in a
     # thread, say) delays this until it returns; the caller's cancellation is never caught here.
+    logger.info("%stool %r did not finish within %g s", about, call.name, tool.timeout_s)
     return Outcome(f"error: {call.name} did not finish within {tool.timeout_s:g} s", True)
 
 

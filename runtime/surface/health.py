@@ -162,15 +162,19 @@ class Health:
 
     async def _model_problem(self) -> str | None:
         assert self.model is not None, "only probed when configured"
+        # Its address stays in the log and in `check`: to a client it is a connection string.
+        name, endpoint = self.model.model, self.model.endpoint
         try:
             present = await self.model.has_model()
         except ModelError as exc:  # its detail may hold provider text: the log's alone
-            said = f"; {exc.detail}" if exc.detail else ""
-            logger.warning("readiness: the model catalog could not be read: %r%s", exc, said)
-            # Its address stays in the log and in `check`: to a client it is a connection string.
-            name = self.model.model
+            said = f"; it said: {exc.detail}" if exc.detail else ""
+            why = f"{exc.reason}{said}"
+            logger.warning("readiness: the model server at %s: its catalog could not be read to find %r: %s", endpoint, name, why)
             return f"model server unavailable: its catalog could not be read to find {name!r}: {exc.reason}"
-        return None if present else f"model unavailable: {self.model.model!r} is absent from the model server's catalog"
+        if present:
+            return None
+        logger.warning("readiness: model %r is absent from the catalog of the model server at %s", name, endpoint)
+        return f"model unavailable: {name!r} is absent from the model server's catalog"
 
 
 def _touch_and_measure(state_dir: Path) -> int:

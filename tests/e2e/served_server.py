@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
@@ -23,11 +24,12 @@ class Running:
 
 @asynccontextmanager
 async def running_server(
-    state_dir: Path, model_url: str, *, agent: AgentSpec | None = None, drain_timeout_s: float = 10
+    state_dir: Path, model_url: str, *, agent: AgentSpec | None = None, drain_timeout_s: float = 10, **settings: Any
 ) -> AsyncIterator[Running]:
-    """Serve until the block exits (then shut down gracefully and wait for it)."""
+    """Serve until the block exits (then shut down gracefully and wait for it). ``settings``
+    are more of the Config's fields (``model_api_key``, say)."""
     config = attrs.evolve(
-        Config(), port=0, state_dir=state_dir, model_base_url=model_url, drain_timeout_s=drain_timeout_s
+        Config(), port=0, state_dir=state_dir, model_base_url=model_url, drain_timeout_s=drain_timeout_s, **settings
     )
     shutdown, stopped = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:

@@ -1,0 +1,157 @@
+"""What runtime.server.serve logs of the failures an operator meets: each once, in one line
+naming what it is about (the task and its context, the file, the model and where it is served),
+never the API key."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from fake_model import Call, FakeModel, Reply
+from runtime.agent import AgentSpec, Tool
+from tests.e2e.harness import rpc, user_message
+from tests.e2e.served_server import running_server
+from tests.runtime.served import GATE_CALL, Gate
+
+SECRET = "sk-keel-log-SECRET-4242"
+MODEL = "qwen3:4b-instruct"
+
+
+def said(caplog: pytest.LogCaptureFixture, about: str) -> list[logging.LogRecord]:
+    """The records whose line mentions ``about``."""
+    return [record for record in caplog.records if about in record.getMessage()]
+
+
+async def test_the_start_up_log_names_where_it_serves_the_state_directory_and_the_model(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="hypercorn.error")  # which the fake model's own hypercorn sets to WARNING
+    with_credentials = fake_model.base_url.replace("http://", "http://gateway-user:gateway-password@")
+    async with running_server(tmp_path / "state", with_credentials) as server:
+        log = "\n".join(record.getMessage() for record in caplog.records)
+        assert server.url.rstrip("/") in log
+        assert str(tmp_path / "state") in log
+        assert f"model {MODEL!r} at {fake_model.base_url}" in log
+    assert "gateway-password" not in caplog.text and "gateway-user" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("answer", "settings"),
+    [
+        pytest.param({"api_key": "another-key"}, {}, id="key-refused"),
+        pytest.param({"default": Reply(text="never whole", hang_after_chunks=1)}, {"model_timeout_s": 0.5}, id="timed-out"),
+    ],
+)
+async def test_a_task_the_model_fails_is_logged_once_as_a_warning_naming_it_its_context_and_the_model_server(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, answer: dict[str, Any], settings: dict[str, Any]
+) -> None:
+    caplog.set_level(logging.INFO)
+    model: FakeModel = await nursery.start(FakeModel(**answer).serve)
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        running_server(tmp_path / "state", model.base_url, model_api_key=SECRET, **settings) as server,
+    ):
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("hi")})
+    task = sent["result"]["task"]
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    [line] = said(caplog, task["id"])
+    assert line.levelno == logging.WARNING, line.getMessage()
+    assert task["contextId"] in line.getMessage() and model.base_url in line.getMessage(), line.getMessage()
+    assert SECRET not in caplog.text and SECRET not in str(sent)
+
+
+@pytest.mark.parametrize(
+    ("serving", "problem"),
+    [
+        pytest.param({"models": ("another-model",)}, "absent from the model server's catalog", id="not-in-catalog"),
+        pytest.param({"api_key": "another-key"}, "the API key was refused", id="key-refused"),
+    ],
+)
+async def test_a_model_healthz_finds_unusable_is_logged_naming_it_and_its_server(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, serving: dict[str, Any], problem: str
+) -> None:
+    model: FakeModel = await nursery.start(FakeModel(**serving).serve)
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        running_server(tmp_path / "state", model.base_url, model_api_key=SECRET) as server,
+    ):
+        health = await client.get(server.url + "healthz")
+    assert health.status_code == 503 and problem in health.text
+    [line] = said(caplog, "readiness")
+    assert line.levelno == logging.WARNING
+    assert repr(MODEL) in line.getMessage() and model.base_url in line.getMessage(), line.getMessage()
+    assert SECRET not in caplog.text and SECRET not in health.text
+
+
+async def test_a_store_that_fails_under_a_send_is_logged_once(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_model.default = Reply(text="ok")
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client, running_server(state, fake_model.base_url) as server:
+        await rpc(client, server.url, "SendMessage", {"message": user_message("hi")})
+        for path in state.glob("*.db*"):  # deleted under the server, as an operator's cleanup might
+            path.unlink()
+        refused = await rpc(client, server.url, "SendMessage", {"message": user_message("hi again")})
+    assert refused["error"]["code"] == -32603 and "tasks.db" not in str(refused)
+    [line] = said(caplog, "tasks.db")
+    assert line.levelno == logging.ERROR and line.exc_info is None, line.getMessage()
+
+
+async def test_a_drain_its_runs_finish_says_so(tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    gate = Gate()
+    agent = AgentSpec(system_prompt="test", tools=(gate.tool(),))
+    fake_model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="done after the gate")]
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        running_server(tmp_path / "state", fake_model.base_url, agent=agent) as server,
+    ):
+        hold = {"message": user_message("hold"), "configuration": {"returnImmediately": True}}
+        sent = await rpc(client, server.url, "SendMessage", hold)
+        await gate.wait_entered()
+        server.shutdown.set()
+        with trio.fail_after(10):
+            while not said(caplog, "shutting down"):
+                await trio.sleep(0.01)
+        gate.opened.set()
+        with trio.fail_after(30):
+            await server.stopped.wait()
+    assert sent["result"]["task"]["id"]
+    lines = [record.getMessage() for record in said(caplog, "shutting down")]
+    assert "1 task(s) running" in lines[0], lines
+    assert "every task running finished" in lines[-1], lines
+
+
+async def test_a_tool_that_fails_or_runs_out_of_time_is_logged_once_naming_the_task(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+
+    async def broken(_arguments: dict[str, Any]) -> str:
+        raise OSError("the tool's disk is gone")
+
+    async def stuck(_arguments: dict[str, Any]) -> str:
+        await trio.sleep_forever()
+        raise AssertionError("cancelled by its timeout")
+
+    schema = {"type": "object", "properties": {}}
+    tools = (Tool("broken", "Fails.", schema, broken), Tool("stuck", "Hangs.", schema, stuck, timeout_s=0.2))
+    fake_model.script = [Reply(tool_calls=[Call("broken")]), Reply(tool_calls=[Call("stuck")]), Reply(text="done")]
+    agent = AgentSpec(system_prompt="test", tools=tools)
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        running_server(tmp_path / "state", fake_model.base_url, agent=agent) as server,
+    ):
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("use the tools")})
+    task_id = sent["result"]["task"]["id"]
+    assert sent["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+    for tool in ("broken", "stuck"):
+        [line] = [record for record in said(caplog, tool) if record.name == "runtime.agent.tools"]
+        assert task_id in line.getMessage(), line.getMessage()
