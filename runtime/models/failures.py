@@ -128,7 +128,14 @@ def part_awaited(started: bool) -> str:
 def _detail(config: ModelConfig, exc: Exception) -> str:
     """What the transport said, with what caused it (httpx's own words are often empty), scrubbed:
     some servers echo the key or the credentials they refused, and logs should not keep them."""
-    return config.scrub("; from ".join(f"{type(link).__name__}: {link}" for link in _causes(exc)))
+    said: list[str] = []
+    last = None
+    for link in _causes(exc):
+        # A group says only how many it holds, and a link that repeats the one it wraps says nothing new.
+        if not isinstance(link, BaseExceptionGroup) and str(link) != last:
+            said.append(f"{type(link).__name__}: {link}")
+            last = str(link)
+    return config.scrub("; from ".join(said))
 
 
 def _credentials_sent(config: ModelConfig) -> str | None:
@@ -138,12 +145,16 @@ def _credentials_sent(config: ModelConfig) -> str | None:
 
 
 def _causes(exc: BaseException) -> list[BaseException]:
-    """``exc`` and what caused it, outermost first (at most a few links)."""
+    """``exc`` and what caused it, outermost first (at most a few links); a group's is its first
+    exception (the refusal under "all attempts to connect failed")."""
     chain: list[BaseException] = []
     link: BaseException | None = exc
-    while link is not None and link not in chain and len(chain) < 4:
+    while link is not None and link not in chain and len(chain) < 6:
         chain.append(link)
-        link = link.__cause__ or link.__context__
+        if isinstance(link, BaseExceptionGroup):
+            link = link.exceptions[0]
+        else:
+            link = link.__cause__ or link.__context__
     return chain
 
 

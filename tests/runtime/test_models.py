@@ -332,6 +332,9 @@ async def test_connection_refused_ends_in_model_unavailable_after_bounded_retrie
             with pytest.raises(ModelUnavailable, match="the model server cannot be reached") as raised:
                 await client.complete(ASK)
     assert raised.value.attempts == 3
+    # What the operator's log gets says why, once: the refusal under httpx's words, not them again.
+    said = raised.value.detail.split("; from ")
+    assert len(said) == 2 and said[-1].startswith("ConnectionRefusedError: ") and said[-1].endswith("Connection refused"), said
 
 
 async def test_rejected_request_is_not_retried(fake_model: FakeModel) -> None:
