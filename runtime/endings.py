@@ -1,4 +1,4 @@
-"""How a run ends its task, and what of its turn the transcript holds.
+"""How a run ends its task, how a CancelTask ends it, and what of its turn the transcript holds.
 
 An ``Outcome`` is applied to the task as it stands when the end is written (``LiveTask.persist``),
 never to a copy read before: a run's end and a CancelTask race, and whichever is written first
@@ -7,16 +7,17 @@ stands.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 import trio
 
+import persistence.errors as store_errors
 from persistence.api import TaskStore
 from persistence.transcript import Message as Transcribed
-from protocol import Task, TaskState
+from protocol import Task, TaskNotCancelable, TaskState
 from runtime.agent import AgentError, AgentEvent, StepStarted, TextDelta
-from runtime.tasks import LiveTask, agent_message, with_status
+from runtime.tasks import STORED_VERSION, LiveTask, agent_message, answer_artifact, encode, load, status_ms, with_status
 
 Outcome = Callable[[Task], Task]
 """How a run ends, applied to the task as it stands when the end is written (see LiveTask.persist)."""
@@ -24,6 +25,22 @@ Outcome = Callable[[Task], Task]
 
 def settle(state: TaskState, text: str) -> Outcome:
     return lambda current: with_status(current, state, agent_message(current, text))
+
+
+def completed(live: LiveTask, output: str) -> Outcome:
+    """The run's answer, ``output``, as its end: the task COMPLETED, with the answer as its last
+    message and its answer artifact. The subscribers are sent the whole answer now
+    (``LiveTask.finish_answer``), before the end is written."""
+    task = live.task
+    answer = agent_message(task, output)
+    artifact = answer_artifact(output)
+    live.finish_answer(output)
+
+    def complete(current: Task) -> Task:
+        done = attrs.evolve(current, history=(*current.history, answer), artifacts=(artifact,))
+        return with_status(done, TaskState.COMPLETED, answer)
+
+    return complete
 
 
 def keeping_answer(live: LiveTask, outcome: Outcome) -> Outcome:
@@ -60,6 +77,42 @@ OVERTAKEN = (
 # A run's WORKING, unless a CancelTask came first: the run finds out at its next checkpoint, but
 # it may have been inside a read that a cancellation waits for.
 WORKING = unless_settled(lambda current: with_status(current, TaskState.WORKING))
+
+
+async def cancel_task(tasks: TaskStore, runs: Mapping[str, LiveTask], owner: str, task_id: str) -> Task:
+    """CancelTask (see ``Runner.cancel``): the task's run, if ``runs`` has it, is cancelled and
+    writes CANCELED; a task no run of this process holds is written CANCELED as stored."""
+    live = runs.get(task_id)
+    if live is None or live.owner != owner:
+        task, version = await load(tasks, owner, task_id)
+        if task.status.state.is_terminal:
+            raise TaskNotCancelable(task_id, task.status.state.value)
+        live = runs.get(task_id)  # the load may have raced with the run's end
+        if live is None:
+            return await _cancel_stored(tasks, runs, owner, task, version)
+    live.scope.cancel()
+    # What the run streams until it next checkpoints is sent to no one: the answer kept with
+    # CANCELED is what the subscribers have.
+    live.freeze_answer()
+    # Urgent: under load the writer is busy, and this write is what the client waits on.
+    task = await live.persist(tasks, unless_settled(keeping_answer(live, CANCELED)), urgent=True)
+    if task.status.state.is_terminal and task.status.state is not TaskState.CANCELED:
+        raise TaskNotCancelable(task_id, task.status.state.value)  # as a cancel a moment later is
+    return task
+
+
+async def _cancel_stored(tasks: TaskStore, runs: Mapping[str, LiveTask], owner: str, task: Task, version: int) -> Task:
+    """Settle a task no run of this process holds (its process died, or it ended just now)."""
+    canceled = CANCELED(task)
+    try:
+        await tasks.update(
+            owner, task.id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
+            expected_version=version, urgent=True, updated_at_ms=status_ms(canceled),
+        )  # fmt: skip
+    except store_errors.VersionConflict:
+        # It changed after it was read (a run that has just ended wrote it): judge it again.
+        return await cancel_task(tasks, runs, owner, task.id)
+    return canceled
 
 
 def answered(turn: list[Transcribed]) -> bool:

@@ -3,46 +3,42 @@
 HTTP handlers call ``send``, ``wait_settled``, ``cancel``, ``get``, ``list_tasks`` and
 ``subscribe``; the runs themselves live in the runner's nursery, never in a request's, so a
 client that goes away ends only its own subscription.
+
+Here: the runner's life (start, drain, stop), a new task's intake, and each run from its start
+to its stored end. A message to a task that exists is ``runtime/steering.py``'s, the order of a
+conversation's turns ``runtime/turns.py``'s, what clients read of a task ``runtime/reads.py``'s,
+and how a run or a CancelTask ends a task ``runtime/endings.py``'s.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager
 
 import attrs
 import trio
 
 import persistence.errors as store_errors
-from persistence.api import SessionStore, SteerReceipt, TaskStore
+from persistence.api import SessionStore, TaskStore
 from persistence.locks import TurnLocks
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
-    DEFAULT_PAGE_SIZE,
     END_LEFT_FOR_NEXT,
-    ContextMismatch,
-    EndNotStored,
     InvalidParams,
     ListTasksParams,
     ListTasksResult,
     Message,
     PushNotificationNotSupported,
     SendMessageParams,
-    StreamCut,
     Task,
-    TaskIsTerminal,
-    TaskNotCancelable,
     TaskNotFound,
     TaskState,
     TaskStatus,
     UnsupportedOperation,
-    trim_history,
 )
 from protocol.errors import quoted
 from runtime.agent import AgentError, AgentRun, AgentSpec, Model
-from runtime.agent.steers import steer_message
 from runtime.endings import (
     CANCELED,
     OVERTAKEN,
@@ -51,35 +47,35 @@ from runtime.endings import (
     Working,
     answer_streamer,
     answered,
+    cancel_task,
+    completed,
     keeping_answer,
     settle,
     turn_of,
     unless_settled,
 )
 from runtime.models import ModelError
-from runtime.resent import as_sent, check_receipt, check_same, sent_with_other_content, with_message
+from runtime.reads import Reads
+from runtime.resent import check_same
+from runtime.steering import Steering
 from runtime.tasks import (
     STORED_VERSION,
     LiveTask,
     StreamItem,
-    agent_message,
-    answer_artifact,
     decode,
     encode,
-    epoch_ms_up,
-    load,
     message_text,
     new_id,
     now,
     readable_text,
+    refuse_oversize,
     status_ms,
-    with_status,
 )
+from runtime.turns import Turns
 
 logger = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"  # the owner of every task until requests carry an identity
-HISTORY_WRITE_ATTEMPTS = 5
 # A final state the store refused is tried again after 1 s, then twice as long each time, at most 30 s apart.
 END_RETRY_FIRST_S = 1.0
 END_RETRY_MAX_S = 30.0
@@ -116,15 +112,9 @@ class Runner:
     # Contexts minted by send() whose first turn has not begun: no transcript is stored for
     # them yet, so that turn need not read one. The task id is the task that minted it.
     _fresh: dict[str, str] = attrs.field(init=False, factory=dict)
-    # Tasks resumed at startup, by id: the event set once the task before it on its context has
-    # queued for the turn lock, and the one this task sets when it has. So the turns of one
-    # context are taken in the order their tasks were created, as they would have been.
-    _in_line: dict[str, tuple[trio.Event | None, trio.Event]] = attrs.field(init=False, factory=dict)
-    # Each conversation's runs that hold or wait for its turn, in the order they queued for it
-    # (the turn lock's order: first come, first served). The first holds the turn, or is being
-    # handed it: a run handed the turn goes on only at the scheduler's next pass, after the one
-    # before it has let go.
-    _turns: dict[str, list[LiveTask]] = attrs.field(init=False, factory=dict)
+    _turns: Turns = attrs.field(init=False)  # which runs hold or wait for each conversation's turn
+    _steering: Steering = attrs.field(init=False)  # the messages sent to a task that exists
+    _reads: Reads = attrs.field(init=False)  # the tasks as clients read them
     _message_turns: TurnLocks = attrs.field(init=False, factory=TurnLocks)  # by messageId: see send
     _stopping: trio.Event = attrs.field(init=False, factory=trio.Event)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)  # set while no run is live
@@ -137,6 +127,11 @@ class Runner:
     _drain: trio.CancelScope | None = attrs.field(init=False, default=None)  # the drain's wait, once begun
     _creating: set[trio.CancelScope] = attrs.field(init=False, factory=set)  # sends' task writes under way
     _hurried: bool = attrs.field(init=False, default=False)  # see hurry()
+
+    def __attrs_post_init__(self) -> None:
+        self._turns = Turns(self.sessions)
+        self._steering = Steering(self.sessions, self.tasks, self._live, self._turns)
+        self._reads = Reads(self.tasks, self._live)
 
     async def run(self, *, task_status: trio.TaskStatus[Runner] = trio.TASK_STATUS_IGNORED) -> None:
         """Deal with what a dead process left, serve until ``stop()``, then drain.
@@ -151,37 +146,43 @@ class Runner:
                 await self._adopt_orphans()
                 task_status.started(self)
                 await self._stopping.wait()
-                running = len(self._live)
-                try:
-                    with trio.move_on_after(self.config.drain_timeout_s) as self._drain:
-                        if self._hurried:
-                            self._drain.cancel()
-                        while self._live or self._sending.count:
-                            await (self._idle.wait() if self._live else self._sending.wait_none())
-                except trio.Cancelled:  # the runner itself cancelled (a third signal)
-                    if not self._abandoned:
-                        self._say_cut("are canceled at once, the drain cut short")
-                    raise
-                self._drained = True
-                if running and not self._live:
-                    logger.info("shutting down: every task running finished")
-                if self._hurried:
-                    self._say_cut("are canceled at once, the drain cut short")
-                else:
-                    self._say_cut(f"did not finish within {self.config.drain_timeout_s:g} s and are canceled")
-                for live in list(self._live.values()):
-                    live.scope.cancel()
-                # Bounded: a send's task write that has not landed by then is given up on (its
-                # client told to send again); if it lands after all, it is left SUBMITTED for the
-                # next process to take up (see _start).
-                with trio.move_on_after(self.config.cleanup_timeout_s):
-                    await self._sending.wait_none()
-                for scope in list(self._creating):
-                    scope.cancel()
+                await self._drain_runs()
                 self._nursery = None  # here, before the nursery closes to new tasks: see _start
         finally:
             self._nursery = None
             self._stopped.set()
+
+    async def _drain_runs(self) -> None:
+        """Wait for the runs, and the sends whose task is being written, until there are none or
+        ``drain_timeout_s`` has passed (no wait once hurried); then cancel the runs left, and
+        give up on the sends' writes after ``cleanup_timeout_s`` more."""
+        running = len(self._live)
+        try:
+            with trio.move_on_after(self.config.drain_timeout_s) as self._drain:
+                if self._hurried:
+                    self._drain.cancel()
+                while self._live or self._sending.count:
+                    await (self._idle.wait() if self._live else self._sending.wait_none())
+        except trio.Cancelled:  # the runner itself cancelled (a third signal)
+            if not self._abandoned:
+                self._say_cut("are canceled at once, the drain cut short")
+            raise
+        self._drained = True
+        if running and not self._live:
+            logger.info("shutting down: every task running finished")
+        if self._hurried:
+            self._say_cut("are canceled at once, the drain cut short")
+        else:
+            self._say_cut(f"did not finish within {self.config.drain_timeout_s:g} s and are canceled")
+        for live in list(self._live.values()):
+            live.scope.cancel()
+        # Bounded: a send's task write that has not landed by then is given up on (its
+        # client told to send again); if it lands after all, it is left SUBMITTED for the
+        # next process to take up (see _start).
+        with trio.move_on_after(self.config.cleanup_timeout_s):
+            await self._sending.wait_none()
+        for scope in list(self._creating):
+            scope.cancel()
 
     def _say_cut(self, why: str) -> None:
         # Named: the runs the shutdown cancels, not those already over (their end being written)
@@ -240,11 +241,11 @@ class Runner:
     async def _send(self, owner: str, params: SendMessageParams) -> Task:
         message = params.message
         if message.task_id:
-            return await self._to_existing(owner, message.task_id, params)
+            return await self._steering.to_existing(owner, message.task_id, params)
         if message.context_id:
             receipt = await self.sessions.steer_receipt(message.context_id, message.message_id)
             if receipt is not None:  # a steer sent again, without its task's id: it starts nothing
-                return await self._steered_before(owner, params, receipt)
+                return await self._steering.steered_before(owner, params, receipt)
         text = readable_text(message)
         if self._stopping.is_set():
             # Sent again as the server drains (its answer lost, say): the task it started is
@@ -254,13 +255,18 @@ class Runner:
                 return await self._sent_before(owner, message, started)
             raise UnsupportedOperation(STOPPING)
         task_id = new_id()
-        self._refuse_oversize(Transcribed(role="user", text=text, turn_id=task_id))
+        refuse_oversize(Transcribed(role="user", text=text, turn_id=task_id), self.sessions.max_event_bytes)
         context_id = message.context_id or new_id()
         message = attrs.evolve(message, task_id=task_id, context_id=context_id)
         task = Task(
             id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
             history=(message,), metadata=params.metadata,
         )  # fmt: skip
+        return await self._take(owner, task, params)
+
+    async def _take(self, owner: str, task: Task, params: SendMessageParams) -> Task:
+        """The new ``task``, once stored SUBMITTED and its run started; or, if its message started
+        a task before (sent twice at once), that task."""
         # Written, and its run started, by a task of the runner's: a client that disconnects
         # cancels this request, but the write it queued lands all the same (a queued write is
         # not withdrawn), and a task stored SUBMITTED must have its run, however long the write.
@@ -269,7 +275,7 @@ class Runner:
         created: list[Task | Exception | str] = []  # what came of it: a task id when the message was taken before
         done, left = trio.Event(), trio.Event()  # left: no one waits for what comes of it (its client went)
         self._sending.enter()  # from now: the drain waits for this write (up to its bound)
-        self._nursery.start_soon(self._create, owner, task, params, created, done, left, name=f"send {task_id}")
+        self._nursery.start_soon(self._create, owner, task, params, created, done, left, name=f"send {task.id}")
         try:
             await done.wait()
         finally:
@@ -277,7 +283,7 @@ class Runner:
                 left.set()
         if not created:  # given up on as the server stopped: it may land yet, and the next process run it
             raise UnsupportedOperation(
-                f"the server is shutting down and could not confirm task {task_id!r}; send the same message again"
+                f"the server is shutting down and could not confirm task {task.id!r}; send the same message again"
                 " (the same messageId) once the server that replaces it is up: it is taken once"
             )
         if isinstance(created[0], str):
@@ -336,188 +342,19 @@ class Runner:
             )
         return check_same(message, task.history[0], task, where)
 
-    async def _steered_before(self, owner: str, params: SendMessageParams, receipt: SteerReceipt) -> Task:
-        """The task a message went to as a steer, for that message sent again: as if sent with
-        its taskId, so that one its task never recorded (that write failed) is recorded now."""
-        message = params.message
-        sent_before = InvalidParams(
-            "message.messageId",
-            problem=f"{quoted(message.message_id)} was sent before, as a steer in context {message.context_id!r}; "
-            "a new message needs a new messageId",
-        )
-        if receipt.task_id is None:
-            raise sent_before
-        if not receipt.same(as_sent(message)):
-            raise sent_with_other_content(message, f"went to task {receipt.task_id!r}")
-        again = attrs.evolve(params, message=attrs.evolve(message, task_id=receipt.task_id))
-        try:
-            return await self._to_existing(owner, receipt.task_id, again)
-        except TaskNotFound:
-            raise sent_before from None
-
-    def _refuse_oversize(self, message: Transcribed) -> None:
-        """A message the conversation could not hold is refused before anything of it is stored:
-        taken, its task would only fail when the run first saved the transcript."""
-        limit = self.sessions.max_event_bytes
-        size = message.oversize(limit)
-        if size is not None:
-            raise InvalidParams(
-                "message.parts",
-                problem=f"come to {size} bytes as the conversation keeps them (text parts as they are, data parts as JSON), "
-                f"more than the {limit} one message may hold; send less in one message",
-            )
-
     def _live_task(self, owner: str, task: Task, version: int) -> LiveTask:
         return LiveTask(owner=owner, task=task, version=version, write_timeout_s=self.config.cleanup_timeout_s)
 
-    async def _to_existing(self, owner: str, task_id: str, params: SendMessageParams) -> Task:
-        # Its run, looked up before the task is read: one that ends while it is read is still
-        # known for what it is, a run that takes no more steers, not taken for no run at all.
-        running = self._live.get(task_id)
-        task, version = await load(self.tasks, owner, task_id)
-        message = params.message
-        if message.context_id and message.context_id != task.context_id:
-            raise ContextMismatch(message.context_id, task_id, task.context_id)
-        # A message this task already took (sent again, its answer lost): the task as it
-        # stands, and no second steer.
-        live = self._live.get(task_id) or running
-        current = live.task if live is not None and live.owner == owner else task
-        for taken in current.history:
-            if taken.message_id == message.message_id:
-                return check_same(message, taken, current, f"went to task {task_id!r}")
-        started = await self.tasks.started_by(owner, message.message_id)
-        if started is not None:  # another task's first message (this one's is in its history)
-            raise InvalidParams(
-                "message.messageId",
-                problem=f"{quoted(message.message_id)} was sent before, and started task {started!r}; "
-                "a new message needs a new messageId",
-            )
-        message = attrs.evolve(message, context_id=task.context_id)
-        # Whether the run can still take a steer is decided, and the steer stored, holding the
-        # run's gate: a steer is either stored before the run's last look for steers, or refused.
-        async with live.steers.lock if live is not None else nullcontext():
-            return await self._steer(owner, task, version, message, live)
-
-    async def _steer(self, owner: str, task: Task, version: int, message: Message, live: LiveTask | None) -> Task:
-        task_id = task.id
-        state = task.status.state
-        # Its run can take no more steers (its end not yet written, or its last answer on its way).
-        ending = live is not None and (live.turn_over or live.steers.closed) and not state.is_terminal
-        resuming = live is not None and live.resuming and not state.is_terminal
-        ahead = None if state.is_terminal or live is None or ending else self._turn_ahead(live)
-        if state.is_terminal or ending or resuming or ahead is not None:
-            receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
-            if receipt is not None:
-                # Left as a steer while the task worked, but its record in the task failed (a
-                # full disk, or the process died between the two writes): recorded now.
-                check_receipt(receipt, message, task_id)
-                return await self._add_to_history(owner, task, version, message)
-        if state.is_terminal:
-            raise TaskIsTerminal(
-                task_id, state.value, "take a message",
-                instead=f"send it without a taskId, with contextId {task.context_id!r}, to start the conversation's next task",
-            )  # fmt: skip
-        if ending:
-            raise UnsupportedOperation(
-                f"task {task_id!r} takes no more messages: its run is giving, or has given, its last answer; send this"
-                " message without a taskId, in the same contextId, to start the conversation's next task"
-            )
-        if resuming:
-            raise UnsupportedOperation(
-                f"task {task_id!r} is being taken up again after a restart of the server, which has yet to read where its"
-                " run stopped; send this message again in a moment"
-            )
-        if ahead is not None:
-            # Stored now, it would be taken by the first look of the run ahead, and dropped there
-            # as another task's steer: this task's run would never see it.
-            raise UnsupportedOperation(
-                f"task {task_id!r} has not started: it waits while task {ahead.task.id!r} has its conversation's turn; "
-                "send this message again once the task is working, or send it to that task to steer it"
-            )
-        text = readable_text(message)
-        self._refuse_oversize(steer_message(text))
-        # A message to a working task is a steer: stored for the session, taken exactly once
-        # before the run's next model request, wherever that run is. Stored with its message id,
-        # so that sent again after its record in the task failed (or its process died between
-        # the two writes, or while the first send was still writing), it is recorded without
-        # steering the run a second time.
-        if live is not None:
-            live.steered = True  # from before the write: a run cancelled during it still forgets the steer
-        left = await self.sessions.add_steer(
-            task.context_id, text, message_id=message.message_id, task_id=task_id, sent_as=as_sent(message)
-        )
-        if not left:
-            receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
-            if receipt is not None:
-                check_receipt(receipt, message, task_id)
-        return await self._add_to_history(owner, task, version, message)
-
-    async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
-        """Record a steering message in the task's history, whoever writes the task meanwhile.
-
-        The steer itself is already stored: if the run ended in between, it is recorded on this
-        task alone (a later task's run does not take a steer left for another task).
-        """
-        for _ in range(HISTORY_WRITE_ATTEMPTS):
-            live = self._live.get(task.id)
-            if live is not None:
-                return await live.persist(self.tasks, lambda current: with_message(current, message))
-            updated = with_message(task, message)
-            if updated is task:
-                return task
-            try:
-                await self.tasks.update(
-                    owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(updated),
-                    expected_version=version, updated_at_ms=status_ms(updated),
-                )  # fmt: skip
-                return updated
-            except store_errors.VersionConflict:
-                task, version = await load(self.tasks, owner, task.id)
-        raise UnsupportedOperation(f"task {task.id!r} kept changing while a message was added; send it again")
+    # -- reads (runtime/reads.py) and cancels (runtime/endings.py) ---------------------------------
 
     async def get(self, owner: str, task_id: str) -> Task:
         """The task as it stands: with the answer so far while a run of this process writes it."""
-        live = self._live.get(task_id)
-        if live is not None and live.owner == owner:
-            return live.as_seen()
-        task, _ = await load(self.tasks, owner, task_id)
-        return task
-
-    def _with_answer_so_far(self, task: Task) -> Task:
-        """``task`` with what the streams have of its answer so far, for a client that polls,
-        while a run of this process works on it and has stored no answer yet."""
-        live = self._live.get(task.id)
-        return task if live is None else live.as_seen(task)
+        return await self._reads.get(owner, task_id)
 
     async def list_tasks(self, owner: str, params: ListTasksParams) -> ListTasksResult:
-        after = params.status_timestamp_after
-        try:
-            page = await self.tasks.list(
-                owner,
-                context_id=params.context_id,
-                state=None if params.status is None else params.status.wire_name(STORED_VERSION),
-                # At or after (a2a.proto ListTasksRequest.status_timestamp_after: "greater than or
-                # equal"): a status time in whole milliseconds is at or after ``after`` exactly when
-                # it is after the millisecond before ``after`` rounded up to its millisecond.
-                updated_after_ms=None if after is None else epoch_ms_up(after) - 1,
-                page_size=params.page_size or DEFAULT_PAGE_SIZE,
-                page_token=params.page_token or "",
-            )
-        except store_errors.InvalidPage as exc:  # the page size was checked with the request
-            problem = "is not a token this server gave; pass the nextPageToken of the previous page, or none for the first"
-            raise InvalidParams("pageToken", problem=problem) from exc
-        tasks = []
-        for record in page.records:
-            task = self._with_answer_so_far(decode(record))
-            if params.history_length is not None:
-                task = trim_history(task, params.history_length, STORED_VERSION)
-            if not params.include_artifacts:
-                task = attrs.evolve(task, artifacts=())
-            tasks.append(task)
-        return ListTasksResult(
-            tasks=tasks, next_page_token=page.next_page_token, page_size=params.page_size or DEFAULT_PAGE_SIZE,
-            total_size=page.total_size,
-        )
+        """One page of the owner's tasks, as ListTasks asks for it: each with its answer so far while a run
+        of this process writes it. Raises InvalidParams for a page token this server did not give."""
+        return await self._reads.list_tasks(owner, params)
 
     async def cancel(self, owner: str, task_id: str) -> Task:
         """Cancel the task's scope, write it CANCELED and return it as persisted. Raises
@@ -527,75 +364,17 @@ class Runner:
         The response waits for that one write, not for the run to unwind: the run, cancelled,
         saves the answer it was streaming (marked partial) and releases the session's turn lock
         in the runner's nursery, so the conversation's next turn starts after that save."""
-        live = self._live.get(task_id)
-        if live is None or live.owner != owner:
-            task, version = await load(self.tasks, owner, task_id)
-            if task.status.state.is_terminal:
-                raise TaskNotCancelable(task_id, task.status.state.value)
-            live = self._live.get(task_id)  # the load may have raced with the run's end
-            if live is None:
-                return await self._cancel_stored(owner, task, version)
-        live.scope.cancel()
-        # What the run streams until it next checkpoints is sent to no one: the answer kept with
-        # CANCELED is what the subscribers have.
-        live.freeze_answer()
-        # Urgent: under load the writer is busy, and this write is what the client waits on.
-        task = await live.persist(self.tasks, unless_settled(keeping_answer(live, CANCELED)), urgent=True)
-        if task.status.state.is_terminal and task.status.state is not TaskState.CANCELED:
-            raise TaskNotCancelable(task_id, task.status.state.value)  # as a cancel a moment later is
-        return task
+        return await cancel_task(self.tasks, self._live, owner, task_id)
 
-    async def _cancel_stored(self, owner: str, task: Task, version: int) -> Task:
-        """Settle a task no run of this process holds (its process died, or it ended just now)."""
-        canceled = CANCELED(task)
-        try:
-            await self.tasks.update(
-                owner, task.id, state=TaskState.CANCELED.wire_name(STORED_VERSION), task_json=encode(canceled),
-                expected_version=version, urgent=True, updated_at_ms=status_ms(canceled),
-            )  # fmt: skip
-        except store_errors.VersionConflict:
-            # It changed after it was read (a run that has just ended wrote it): judge it again.
-            return await self.cancel(owner, task.id)
-        return canceled
-
-    @asynccontextmanager
-    async def subscribe(self, owner: str, task_id: str) -> AsyncIterator[trio.MemoryReceiveChannel[StreamItem]]:
+    def subscribe(self, owner: str, task_id: str) -> AbstractAsyncContextManager[trio.MemoryReceiveChannel[StreamItem]]:
         """Events of one task: first the task as persisted, then what happens to it, ending when
         it settles or, cut short, with a StreamCut. Leaving the block ends only this subscription."""
-        live = self._live.get(task_id)
-        if live is None or live.owner != owner:
-            task, _ = await load(self.tasks, owner, task_id)
-            send, receive = trio.open_memory_channel[StreamItem](2)
-            send.send_nowait(task)
-            if not task.status.state.ends_stream:  # not settled, and not run here
-                why = (
-                    "no run of it is in this server (it was left for the next server to resume), and a stream"
-                    " follows only the runs of the server serving it; poll GetTask to see it end"
-                )
-                send.send_nowait(StreamCut(task_id, why))
-            send.close()
-            with receive:
-                yield receive
-            return
-        receive = live.subscribe()
-        try:
-            yield receive
-        finally:
-            live.unsubscribe(receive)
+        return self._reads.subscribe(owner, task_id)
 
     async def wait_settled(self, owner: str, task_id: str) -> Task:
         """Block until the task is terminal or interrupted, and return it as persisted. Raises
         EndNotStored if the run ended but its final state could not be written."""
-        live = self._live.get(task_id)
-        if live is None or live.owner != owner:
-            return await self.get(owner, task_id)
-        await live.settled.wait()
-        if not live.end_stored:
-            raise EndNotStored(task_id, live.end_not_stored)
-        # The run's snapshot is what its last write stored (LiveTask changes it only once that
-        # write is durable), so it is not read back: a store read and a decode less per blocking
-        # send, about a seventh of its CPU in scripts/bench/a2a.py.
-        return live.task
+        return await self._reads.wait_settled(owner, task_id)
 
     # -- runs -------------------------------------------------------------------------------------
 
@@ -665,7 +444,9 @@ class Runner:
                     live.close(end_stored=False, why=END_LEFT_FOR_NEXT)
                     return False
                 if live.end_stored:  # the first failure: said once, to the log and to whoever waits
-                    logger.error("task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc)
+                    logger.error(
+                        "task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc
+                    )
                     live.close(end_stored=False)
             delay = min(max(2 * delay, END_RETRY_FIRST_S), END_RETRY_MAX_S)
             with trio.move_on_after(delay):
@@ -687,8 +468,7 @@ class Runner:
         called, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
         task = live.task
         session = Session.open(task.context_id, self.sessions, task_id=task.id)
-        await self._wait_in_line(task.id)
-        async with self._taking_turn(live):
+        async with self._turns.taking(live):
             # The first turn of a context minted for this task has nothing stored to read. (Only
             # the reply to this task's send names that context, and this run takes the lock in
             # its first step, long before another request could: no other turn comes first.)
@@ -704,7 +484,7 @@ class Runner:
                 messages.append(Transcribed(role="user", text=message_text(task.history[0]), turn_id=task.id))
             elif answered(turn):
                 # Its process died after the answer was saved but before the task said so.
-                return self._completed(live, turn[-1].text)
+                return completed(live, turn[-1].text)
             elif overtaken:
                 # Its run ended unanswered (it failed, say) and that end was never stored; the
                 # conversation has gone on since. Asked now, the model would answer the later turn.
@@ -727,7 +507,7 @@ class Runner:
                 except (AgentError, ModelError) as exc:
                     self._say_failed(task, exc)
                     return settle(TaskState.FAILED, f"The task failed: {exc}")
-        return self._completed(live, result.output)
+        return completed(live, result.output)
 
     def _say_failed(self, task: Task, exc: AgentError | ModelError) -> None:
         """One line: a model that failed is the operator's to look at, named with where it is
@@ -742,72 +522,20 @@ class Runner:
         else:  # a store failure: what it said is for the log alone
             logger.warning("%s, from %r", about, exc.__cause__)
 
-    @asynccontextmanager
-    async def _taking_turn(self, live: LiveTask) -> AsyncIterator[None]:
-        """The turn of the task's conversation: one task's run at a time, the others waiting."""
-        context_id = live.task.context_id
-        line = self._turns.setdefault(context_id, [])
-        line.append(live)  # in the step that queues for the lock, so the line keeps the lock's order
-        try:
-            async with self.sessions.turn_lock(context_id):
-                try:
-                    yield
-                finally:
-                    live.turn_over = True
-        finally:
-            line.remove(live)  # in the step that lets the lock go (or gives up waiting for it)
-            if not line:
-                del self._turns[context_id]
-
-    def _turn_ahead(self, live: LiveTask) -> LiveTask | None:
-        """The task of this process whose run has its conversation's turn, or is being handed
-        it, while ``live``'s run waits (or has not yet queued) for it; None if it is ``live``'s
-        turn, or no run holds or waits for it."""
-        line = self._turns.get(live.task.context_id)
-        return line[0] if line and line[0] is not live else None
-
-    def _completed(self, live: LiveTask, output: str) -> Outcome:
-        task = live.task
-        answer = agent_message(task, output)
-        artifact = answer_artifact(output)
-        live.finish_answer(output)
-
-        def complete(current: Task) -> Task:
-            done = attrs.evolve(current, history=(*current.history, answer), artifacts=(artifact,))
-            return with_status(done, TaskState.COMPLETED, answer)
-
-        return complete
-
-    async def _wait_in_line(self, task_id: str) -> None:
-        """For a task resumed at startup: wait until the one before it on its context has queued
-        for the turn lock. Then this one queues, in the same step as it returns (taking a lock
-        does not pass through the scheduler before it queues), so the next one queues behind."""
-        line = self._in_line.pop(task_id, None)
-        if line is None:
-            return
-        ahead, queued = line
-        try:
-            if ahead is not None:
-                await ahead.wait()
-        finally:
-            queued.set()  # cancelled while waiting too: the tasks behind it must not wait forever
-
     async def _adopt_orphans(self) -> None:
         """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left
         hanging. Those of one context take their turns in the order they were created."""
-        last_in_line: dict[str, trio.Event] = {}
         # Every one read before any starts: one that cannot be read (UnreadableTask, naming it)
         # stops the start with no run begun, rather than cancel the runs begun before it.
         orphans = [(record, decode(record)) for record in await self.tasks.unfinished()]  # oldest first
+        if self.config.orphans == "resume":
+            self._turns.line_up(task for _, task in orphans)
         for record, task in orphans:
             live = self._live_task(record.owner, task, record.version)
             if self.config.orphans == "resume":
                 logger.info("resuming task %s left %s by a process that stopped", task.id, task.status.state.value)
                 live.steered = True  # the process that stopped may have stored steers for it
                 live.resuming = True
-                queued = trio.Event()
-                self._in_line[task.id] = (last_in_line.get(task.context_id), queued)
-                last_in_line[task.context_id] = queued
                 self._start(live)
                 continue
             logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)

@@ -11,6 +11,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -43,6 +44,9 @@ from protocol import (
 )
 from protocol.errors import clipped, quoted
 from runtime.agent import SteerGate
+
+if TYPE_CHECKING:
+    from persistence.transcript import Message as Transcribed
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +192,19 @@ def message_text(message: Message) -> str:
         elif isinstance(part, DataPart):
             pieces.append(json.dumps(part.data, ensure_ascii=False))
     return "\n".join(pieces)
+
+
+def refuse_oversize(message: Transcribed, limit: int) -> None:
+    """A message the conversation could not hold (more than ``limit`` bytes, the session store's
+    largest event) is refused before anything of it is stored: taken, its task would only fail
+    when the run first saved the transcript."""
+    size = message.oversize(limit)
+    if size is not None:
+        raise InvalidParams(
+            "message.parts",
+            problem=f"come to {size} bytes as the conversation keeps them (text parts as they are, data parts as JSON), "
+            f"more than the {limit} one message may hold; send less in one message",
+        )
 
 
 def answer_artifact(text: str) -> Artifact:

@@ -1,0 +1,179 @@
+"""A message sent to a task that exists: a steer for its run, or a message added to its history.
+
+The runner hands here every message that names its task (``taskId``), and a steer sent again
+without it; a message that starts a task stays with the runner. Apart from the runner because
+steering reads the runs (``live``) and the conversations' turns (``turns``) but changes neither:
+it stores the steer for the session, records the message in the task, or says why it cannot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import nullcontext
+
+import attrs
+
+import persistence.errors as store_errors
+from persistence.api import SessionStore, SteerReceipt, TaskStore
+from protocol import (
+    ContextMismatch,
+    InvalidParams,
+    Message,
+    ProtocolError,
+    SendMessageParams,
+    Task,
+    TaskIsTerminal,
+    TaskNotFound,
+    UnsupportedOperation,
+)
+from protocol.errors import quoted
+from runtime.agent.steers import steer_message
+from runtime.resent import as_sent, check_receipt, check_same, sent_with_other_content, with_message
+from runtime.tasks import STORED_VERSION, LiveTask, encode, load, readable_text, refuse_oversize, status_ms
+from runtime.turns import Turns
+
+HISTORY_WRITE_ATTEMPTS = 5
+
+
+@attrs.define(eq=False)
+class Steering:
+    """Messages for the tasks of ``tasks``: ``live`` is the runner's runs, by task id, read as it
+    changes (a run may end while a message for it is being taken)."""
+
+    sessions: SessionStore
+    tasks: TaskStore
+    live: Mapping[str, LiveTask]
+    turns: Turns
+
+    async def to_existing(self, owner: str, task_id: str, params: SendMessageParams) -> Task:
+        """The task ``params.message`` names, with that message: a steer for its run while it
+        works, recorded in its history either way; that task as it stands for a message it took
+        before. Raises TaskNotFound, ContextMismatch, TaskIsTerminal, or InvalidParams and
+        UnsupportedOperation saying why the message is not taken and what to send instead."""
+        # Its run, looked up before the task is read: one that ends while it is read is still
+        # known for what it is, a run that takes no more steers, not taken for no run at all.
+        running = self.live.get(task_id)
+        task, version = await load(self.tasks, owner, task_id)
+        message = params.message
+        if message.context_id and message.context_id != task.context_id:
+            raise ContextMismatch(message.context_id, task_id, task.context_id)
+        # A message this task already took (sent again, its answer lost): the task as it
+        # stands, and no second steer.
+        live = self.live.get(task_id) or running
+        current = live.task if live is not None and live.owner == owner else task
+        for taken in current.history:
+            if taken.message_id == message.message_id:
+                return check_same(message, taken, current, f"went to task {task_id!r}")
+        started = await self.tasks.started_by(owner, message.message_id)
+        if started is not None:  # another task's first message (this one's is in its history)
+            raise InvalidParams(
+                "message.messageId",
+                problem=f"{quoted(message.message_id)} was sent before, and started task {started!r}; "
+                "a new message needs a new messageId",
+            )
+        message = attrs.evolve(message, context_id=task.context_id)
+        # Whether the run can still take a steer is decided, and the steer stored, holding the
+        # run's gate: a steer is either stored before the run's last look for steers, or refused.
+        async with live.steers.lock if live is not None else nullcontext():
+            return await self._steer(owner, task, version, message, live)
+
+    async def steered_before(self, owner: str, params: SendMessageParams, receipt: SteerReceipt) -> Task:
+        """The task a message went to as a steer, for that message sent again: as if sent with
+        its taskId, so that one its task never recorded (that write failed) is recorded now."""
+        message = params.message
+        sent_before = InvalidParams(
+            "message.messageId",
+            problem=f"{quoted(message.message_id)} was sent before, as a steer in context {message.context_id!r}; "
+            "a new message needs a new messageId",
+        )
+        if receipt.task_id is None:
+            raise sent_before
+        if not receipt.same(as_sent(message)):
+            raise sent_with_other_content(message, f"went to task {receipt.task_id!r}")
+        again = attrs.evolve(params, message=attrs.evolve(message, task_id=receipt.task_id))
+        try:
+            return await self.to_existing(owner, receipt.task_id, again)
+        except TaskNotFound:
+            raise sent_before from None
+
+    async def _steer(self, owner: str, task: Task, version: int, message: Message, live: LiveTask | None) -> Task:
+        refusal = self._refusal(task, live)
+        if refusal is not None:
+            receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
+            if receipt is not None:
+                # Left as a steer while the task worked, but its record in the task failed (a
+                # full disk, or the process died between the two writes): recorded now.
+                check_receipt(receipt, message, task.id)
+                return await self._add_to_history(owner, task, version, message)
+            raise refusal
+        text = readable_text(message)
+        refuse_oversize(steer_message(text), self.sessions.max_event_bytes)
+        # A message to a working task is a steer: stored for the session, taken exactly once
+        # before the run's next model request, wherever that run is. Stored with its message id,
+        # so that sent again after its record in the task failed (or its process died between
+        # the two writes, or while the first send was still writing), it is recorded without
+        # steering the run a second time.
+        if live is not None:
+            live.steered = True  # from before the write: a run cancelled during it still forgets the steer
+        left = await self.sessions.add_steer(
+            task.context_id, text, message_id=message.message_id, task_id=task.id, sent_as=as_sent(message)
+        )
+        if not left:
+            receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
+            if receipt is not None:
+                check_receipt(receipt, message, task.id)
+        return await self._add_to_history(owner, task, version, message)
+
+    def _refusal(self, task: Task, live: LiveTask | None) -> ProtocolError | None:
+        """Why the task takes no steer now, and what to send instead; None if it takes one."""
+        task_id = task.id
+        state = task.status.state
+        if state.is_terminal:
+            return TaskIsTerminal(
+                task_id, state.value, "take a message",
+                instead=f"send it without a taskId, with contextId {task.context_id!r}, to start the conversation's next task",
+            )  # fmt: skip
+        if live is None:
+            return None
+        if live.turn_over or live.steers.closed:  # its end not yet written, or its last answer on its way
+            return UnsupportedOperation(
+                f"task {task_id!r} takes no more messages: its run is giving, or has given, its last answer; send this"
+                " message without a taskId, in the same contextId, to start the conversation's next task"
+            )
+        if live.resuming:
+            return UnsupportedOperation(
+                f"task {task_id!r} is being taken up again after a restart of the server, which has yet to read where its"
+                " run stopped; send this message again in a moment"
+            )
+        ahead = self.turns.ahead_of(live)
+        if ahead is not None:
+            # Stored now, it would be taken by the first look of the run ahead, and dropped there
+            # as another task's steer: this task's run would never see it.
+            return UnsupportedOperation(
+                f"task {task_id!r} has not started: it waits while task {ahead.task.id!r} has its conversation's turn; "
+                "send this message again once the task is working, or send it to that task to steer it"
+            )
+        return None
+
+    async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
+        """Record a steering message in the task's history, whoever writes the task meanwhile.
+
+        The steer itself is already stored: if the run ended in between, it is recorded on this
+        task alone (a later task's run does not take a steer left for another task).
+        """
+        for _ in range(HISTORY_WRITE_ATTEMPTS):
+            live = self.live.get(task.id)
+            if live is not None:
+                return await live.persist(self.tasks, lambda current: with_message(current, message))
+            updated = with_message(task, message)
+            if updated is task:
+                return task
+            try:
+                await self.tasks.update(
+                    owner, task.id, state=task.status.state.wire_name(STORED_VERSION), task_json=encode(updated),
+                    expected_version=version, updated_at_ms=status_ms(updated),
+                )  # fmt: skip
+                return updated
+            except store_errors.VersionConflict:
+                task, version = await load(self.tasks, owner, task.id)
+        raise UnsupportedOperation(f"task {task.id!r} kept changing while a message was added; send it again")
