@@ -71,6 +71,13 @@ class _Body(httpx.AsyncByteStream):
         return _OneChunk(self._body)
 
 
+def with_whole_body(request: httpx.Request) -> httpx.Request:
+    """``request``, its body sent as one chunk by an iterator that is not an async generator: one
+    a cancelled send can leave unfinished without a ResourceWarning (see _Body)."""
+    request.stream = _Body(request.content)
+    return request
+
+
 class _OneChunk:
     def __init__(self, body: bytes) -> None:
         self._body: bytes | None = body
@@ -177,8 +184,7 @@ class ModelClient:
             attempt += 1
             try:
                 request = self._http.build_request(method, url, json=body, headers=self._headers(accept), timeout=timeout)
-                request.stream = _Body(request.content)
-                response = await self._http.send(request, stream=True)
+                response = await self._http.send(with_whole_body(request), stream=True)
             except httpx.RequestError as exc:
                 failure = failure_to_send(self.config, exc, attempt, waiting_for)
             else:

@@ -21,6 +21,7 @@ import httpx
 import trio
 
 from protocol import SseParser
+from runtime.models.client import with_whole_body
 
 STARTUP_DEADLINE_S = 30
 SERVING = re.compile(rb"keel serving A2A at (\S+)")
@@ -131,7 +132,8 @@ def headers(version: str) -> dict[str, str]:
 
 async def rpc(client: httpx.AsyncClient, url: str, method: str, params: dict[str, Any], *, version: str = "1.0") -> dict[str, Any]:
     body = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": method, "params": params}
-    response = await client.post(url, json=body, headers=headers(version))
+    # A workload cancelled mid-send leaves no unfinished body generator behind (a ResourceWarning).
+    response = await client.send(with_whole_body(client.build_request("POST", url, json=body, headers=headers(version))))
     result: dict[str, Any] = response.json()
     return result
 
@@ -143,13 +145,17 @@ async def stream(
     body = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": method, "params": params}
     events: list[dict[str, Any]] = []
     parser = SseParser()
-    async with client.stream("POST", url, json=body, headers=headers(version)) as response:
+    request = with_whole_body(client.build_request("POST", url, json=body, headers=headers(version)))
+    response = await client.send(request, stream=True)
+    try:
         async for chunk in response.aiter_bytes():
             for event in parser.feed(chunk):
                 if event.data:
                     events.append(json.loads(event.data))
             if limit is not None and len(events) >= limit:
                 break
+    finally:
+        await response.aclose()
     return events
 
 
