@@ -538,9 +538,20 @@ class Runner:
                 live.resuming = True
                 self._start(live)
                 continue
-            logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)
-            reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
-            await live.persist(self.tasks, settle(TaskState.FAILED, reason))
+            await live.persist(self.tasks, await self._orphan_failed(task, live))
+
+    async def _orphan_failed(self, task: Task, live: LiveTask) -> Outcome:
+        """What ``AGENT_ORPHANS=fail`` makes of an orphan: FAILED, unless its process stored the
+        turn's answer before it stopped. That answer is in the conversation the model reads next,
+        so the task says so (COMPLETED, without asking the model anything), rather than tell
+        its client there was none."""
+        turn, _ = turn_of(await Session.open(task.context_id, self.sessions).messages(), task.id)
+        if turn and answered(turn):
+            logger.info("completing task %s left %s by a process that stopped: its answer was stored", task.id, task.status.state.value)
+            return completed(live, turn[-1].text)
+        logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)
+        reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
+        return settle(TaskState.FAILED, reason)
 
 
 @attrs.define(eq=False)

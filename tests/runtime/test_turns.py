@@ -27,7 +27,7 @@ from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStat
 from runtime.agent import AgentSpec
 from runtime.agent.steers import steer_message
 from runtime.models import ModelConfig, open_model_client
-from runtime.runner import ANONYMOUS, Runner
+from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import STORED_VERSION, encode, message_text, new_id, now
 
 DEADLINE_S = 10.0
@@ -43,7 +43,11 @@ OpenTasks = Callable[[Path], AbstractAsyncContextManager[SqliteTaskStore]]
 
 @asynccontextmanager
 async def runner_over(
-    state: Path, model: FakeModel, open_tasks: OpenTasks = open_task_store, agent: AgentSpec = AgentSpec()
+    state: Path,
+    model: FakeModel,
+    open_tasks: OpenTasks = open_task_store,
+    agent: AgentSpec = AgentSpec(),
+    config: RunnerConfig = RunnerConfig(),
 ) -> AsyncIterator[tuple[Runner, SqliteSessionStore, SqliteTaskStore]]:
     """A runner over the SQLite files in ``state`` (taking up what a dead process left there
     before this yields) and the fake model server; stopped when the block is left."""
@@ -53,7 +57,7 @@ async def runner_over(
         open_model_client(ModelConfig(base_url=model.base_url, max_retries=0)) as client,
         trio.open_nursery() as nursery,
     ):
-        runner: Runner = await nursery.start(Runner(sessions, tasks, client, agent).run)
+        runner: Runner = await nursery.start(Runner(sessions, tasks, client, agent, config).run)
         yield runner, sessions, tasks
         runner.stop()
 
@@ -122,6 +126,19 @@ async def test_a_turn_whose_process_died_after_saving_its_answer_completes_witho
     async with runner_over(tmp_path, fake_model) as (runner, _, _):
         with trio.fail_after(DEADLINE_S):
             settled = await runner.wait_settled(ANONYMOUS, task_id)
+    assert settled.status.state is TaskState.COMPLETED
+    assert settled.status.message is not None and settled.status.message.parts == (TextPart("Yes."),)
+    assert fake_model.bodies == []
+
+
+async def test_with_orphans_fail_a_turn_whose_process_died_after_saving_its_answer_completes_with_it(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # Failed, the task would tell its client there was no answer, while the conversation the
+    # model reads at the next turn holds one the model believes the user saw.
+    task_id = await left_by_a_dead_process(tmp_path, TaskState.WORKING, answered_before_the_crash)
+    async with runner_over(tmp_path, fake_model, config=RunnerConfig(orphans="fail")) as (runner, _, _):
+        settled = await runner.get(ANONYMOUS, task_id)  # taken up before the runner starts
     assert settled.status.state is TaskState.COMPLETED
     assert settled.status.message is not None and settled.status.message.parts == (TextPart("Yes."),)
     assert fake_model.bodies == []
