@@ -90,6 +90,9 @@ class Health:
     # one more thread waiting beside it, until Trio's shared threads (the model host's name
     # lookups wait for those) were all taken. A later poll waits for the stuck one instead.
     _threads: dict[str, trio.CapacityLimiter] = attrs.field(init=False, factory=dict)
+    # The problems the last poll found: the log is told of one when it starts and when it ends,
+    # not at every poll (a load balancer polling every few seconds would repeat it forever).
+    _known: set[str] = attrs.field(init=False, factory=set)
 
     async def problems(self) -> list[str]:
         """Every problem found, in probe order; empty when ready.
@@ -105,7 +108,19 @@ class Health:
         async with trio.open_nursery() as nursery:
             for index, (what, probe) in enumerate(probes):
                 nursery.start_soon(self._run_probe, what, probe, found[index])
-        return [problem for problems in found for problem in problems]
+        problems = [problem for problems in found for problem in problems]
+        for ended in sorted(self._known.difference(problems)):
+            logger.info("readiness: resolved: %s", ended)
+        self._known.clear()
+        self._known.update(problems)
+        return problems
+
+    def _found(self, problem: str, line: str, *args: object, level: int = logging.WARNING, bug: bool = False) -> str:
+        """``problem``, logged with ``line`` (and the traceback, for a ``bug``) if the last poll
+        did not find it already."""
+        if problem not in self._known:
+            logger.log(level, line, *args, exc_info=bug)
+        return problem
 
     def _probes(self) -> list[tuple[str, Callable[[], Awaitable[str | None]]]]:
         probes: list[tuple[str, Callable[[], Awaitable[str | None]]]] = [
@@ -123,24 +138,29 @@ class Health:
             try:
                 problem = await probe()
             except Exception:  # a probe that breaks is a problem too; how it broke is for the log
-                logger.exception("readiness: %s failed", what)
-                problem = f"{what} failed unexpectedly (the log says how)"
+                problem = self._found(f"{what} failed unexpectedly (the log says how)", "readiness: %s failed", what, bug=True)
         if bound.cancelled_caught:
-            logger.warning("readiness: %s took longer than %g s", what, self.probe_timeout_s)
-            problem = f"{what} did not finish within {self.probe_timeout_s:g} s"
+            problem = self._found(
+                f"{what} did not finish within {self.probe_timeout_s:g} s",
+                "readiness: %s took longer than %g s", what, self.probe_timeout_s,
+            )  # fmt: skip
         if problem is not None:
             into.append(problem)
 
     async def _state_dir_problem(self) -> str | None:
         try:
             free = await self._in_thread(_touch_and_measure, self.state_dir)
-        except OSError as exc:
-            logger.warning("readiness: the state directory %s is not writable: %r", self.state_dir, exc)
-            return "state directory is not writable (the server log names it)"  # a path is the machine's, not a client's
+        except OSError as exc:  # a path is the machine's, not a client's
+            return self._found(
+                "state directory is not writable (the server log names it)",
+                "readiness: the state directory %s is not writable: %r", self.state_dir, exc,
+            )  # fmt: skip
         if free < self.min_free_bytes:
             # An empty file can still be made on a full disk; a task or an answer cannot be stored.
-            logger.warning("readiness: the state directory %s has %d bytes free", self.state_dir, free)
-            return f"state directory is {nearly_full(free, self.min_free_bytes)}"
+            return self._found(
+                f"state directory is {nearly_full(free, self.min_free_bytes)}",
+                "readiness: the state directory %s has %d bytes free", self.state_dir, free,
+            )  # fmt: skip
         return None
 
     async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:
@@ -150,8 +170,8 @@ class Health:
         except _Missing:
             return f"{label} is not initialized: {name} is missing"
         except Exception as exc:  # SchemaError, sqlite3.Error, OSError: all mean "cannot use it"
-            logger.warning("readiness: %s %s is not usable: %r", label, path, exc)
-            return f"{label} is not usable: {name} ({type(exc).__name__})"
+            problem = f"{label} is not usable: {name} ({type(exc).__name__})"
+            return self._found(problem, "readiness: %s %s is not usable: %r", label, path, exc)
         return None
 
     async def _in_thread(self, fn: Callable[[Path, *Ts], T], path: Path, *args: *Ts) -> T:
@@ -168,13 +188,17 @@ class Health:
             present = await self.model.has_model()
         except ModelError as exc:  # its detail may hold provider text: the log's alone
             said = f"; it said: {exc.detail}" if exc.detail else ""
-            why = f"{exc.reason}{said}"
-            logger.warning("readiness: the model server at %s: its catalog could not be read to find %r: %s", endpoint, name, why)
-            return f"model server unavailable: its catalog could not be read to find {name!r}: {exc.reason}"
+            return self._found(
+                f"model server unavailable: its catalog could not be read to find {name!r}: {exc.reason}",
+                "readiness: the model server at %s: its catalog could not be read to find %r: %s%s",
+                endpoint, name, exc.reason, said,
+            )  # fmt: skip
         if present:
             return None
-        logger.warning("readiness: model %r is absent from the catalog of the model server at %s", name, endpoint)
-        return f"model unavailable: {name!r} is absent from the model server's catalog"
+        return self._found(
+            f"model unavailable: {name!r} is absent from the model server's catalog",
+            "readiness: model %r is absent from the catalog of the model server at %s", name, endpoint,
+        )  # fmt: skip
 
 
 def _touch_and_measure(state_dir: Path) -> int:

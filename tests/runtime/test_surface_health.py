@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import sqlite3
 from pathlib import Path
@@ -232,6 +233,27 @@ async def test_healthz_answers_while_the_task_database_is_being_written(keel: Se
         writer.execute("ROLLBACK")
         writer.close()
     assert (response.status_code, response.json()) == (200, {"status": "ready"})
+
+
+async def test_a_problem_that_lasts_is_logged_when_it_starts_and_when_it_ends_not_at_every_poll(
+    fake_model: FakeModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_session_store(tmp_path / "runtime.db"), open_task_store(tmp_path / "tasks.db"):
+        pass
+    fake_model.models = ("another-model",)
+    caplog.set_level(logging.INFO, logger="runtime.surface.health")
+    async with open_model_client(ModelConfig(base_url=fake_model.base_url, max_retries=0)) as catalog:
+        health = Health(state_dir=tmp_path, model=catalog)
+        with trio.fail_after(DEADLINE_S):
+            polls = [await health.problems() for _ in range(4)]
+            fake_model.models = (catalog.model,)
+            after = [await health.problems() for _ in range(3)]
+    absent = f"model unavailable: {catalog.model!r} is absent from the model server's catalog"
+    assert polls == [[absent]] * 4 and after == [[]] * 3
+    said = [record.getMessage() for record in caplog.records if record.name == "runtime.surface.health"]
+    assert len(said) == 2, said  # a poller every few seconds would otherwise write the same line forever
+    assert "is absent from the catalog" in said[0] and caplog.records[0].levelname == "WARNING"
+    assert said[1] == f"readiness: resolved: {absent}"
 
 
 async def test_readiness_polled_while_a_store_is_held_elsewhere_keeps_one_thread_on_it(tmp_path: Path) -> None:
