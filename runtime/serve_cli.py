@@ -108,7 +108,9 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     for chatty in ("httpx", "httpcore"):  # a line per model request is noise, and costs CPU
         logging.getLogger(chatty).setLevel(logging.WARNING)
     failures: list[BaseException] = []
@@ -119,6 +121,30 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     for failure in failures:
         print(f"error: {os_error_text(failure) if isinstance(failure, OSError) else failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+# Line breaks and terminal controls, spelled as Python spells them (\n, \x1b, \u2028). A log line names
+# ids and text a client chose (a contextId, say), which must not start a line of their own, forging
+# the server's, nor drive the terminal an operator reads the log on.
+_CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(0x09), *range(0x0A, 0x20), 0x7F, *range(0x80, 0xA0), 0x2028, 0x2029)}
+
+
+class LogFormatter(logging.Formatter):
+    """Each record on one line, its line breaks and terminal controls escaped; a traceback keeps
+    its own lines, the controls inside them escaped."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(_CONTROLS)
+
+    def formatException(self, ei: Any) -> str:
+        return _escape_lines(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _escape_lines(super().formatStack(stack_info))
+
+
+def _escape_lines(text: str) -> str:
+    return "\n".join(line.translate(_CONTROLS) for line in text.split("\n"))
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

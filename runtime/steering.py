@@ -33,6 +33,10 @@ from runtime.tasks import STORED_VERSION, LiveTask, encode, load, readable_text,
 from runtime.turns import Turns
 
 HISTORY_WRITE_ATTEMPTS = 5
+# The most messages a task takes after the one that started it. The task is stored whole at each
+# one, and sent whole to each reader: unbounded, one client's steers (a megabyte each) made every
+# next steer rewrite the task anew, a write and an encoding on the event loop growing with each.
+MAX_STEERS = 32
 
 
 @attrs.define(eq=False)
@@ -133,6 +137,12 @@ class Steering:
                 task_id, state.value, "take a message",
                 instead=f"send it without a taskId, with contextId {task.context_id!r}, to start the conversation's next task",
             )  # fmt: skip
+        taken = len((task if live is None else live.task).history) - 1  # after the first message
+        if taken >= MAX_STEERS:
+            return UnsupportedOperation(
+                f"task {task_id!r} has taken {taken} messages after its first, as many as a task takes; send this message"
+                " without a taskId, in the same contextId, to start the conversation's next task"
+            )
         if live is None:
             return None
         if live.turn_over or live.steers.closed:  # its end not yet written, or its last answer on its way
