@@ -214,8 +214,9 @@ class ListTasksParams:
         )
 
 
-# A fraction of a second that goes on, past its microseconds, to a digit other than 0.
-_FINER_THAN_MICROSECONDS = re.compile(r"\.[0-9]{6}[0-9]*[1-9]")
+# A fraction of a second that goes on, past its microseconds, to a digit other than 0 (after
+# RFC 3339's point, or ISO 8601's comma, which the parse takes too).
+_FINER_THAN_MICROSECONDS = re.compile(r"[.,][0-9]{6}[0-9]*[1-9]")
 
 
 def _at_or_after(reader: JsonReader, key: str) -> datetime | None:

@@ -213,10 +213,19 @@ def answer_artifact(text: str) -> Artifact:
 
 
 def with_status(task: Task, state: TaskState, message: Message | None = None) -> Task:
-    """``task`` moved to ``state`` now; InvalidTransition for a move the task state machine
-    forbids (out of a terminal state, say): every status a task is given passes here."""
+    """``task`` moved to ``state`` now (never before its last status); InvalidTransition for a move
+    the task state machine forbids (out of a terminal state, say): every status a task is given passes here."""
     check_transition(task.id, task.status.state, state)
-    return attrs.evolve(task, status=TaskStatus(state=state, message=message, timestamp=now()))
+    moment = _next_moment(task.status.timestamp)
+    return attrs.evolve(task, status=TaskStatus(state=state, message=message, timestamp=moment))
+
+
+def _next_moment(previous: datetime | None) -> datetime:
+    """Now, or a millisecond after ``previous`` while the clock is not past it (it was set back):
+    a task's statuses are dated in the order they came, so ListTasks, which sorts and filters by
+    that date, never shows a task's change as older than what a client already read of it."""
+    moment = now()
+    return moment if previous is None or moment > previous else previous + timedelta(milliseconds=1)
 
 
 async def load(tasks: TaskStore, owner: str, task_id: str) -> tuple[Task, int]:

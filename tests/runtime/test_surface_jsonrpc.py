@@ -10,7 +10,7 @@ import logging
 import shutil
 import sqlite3
 from contextlib import closing
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,6 +20,7 @@ import trio
 import trio.testing
 from fake_model import ErrorReply, FakeModel, Reply
 
+import runtime.tasks
 from protocol import MAX_ID_CHARS, MAX_PARTS
 from protocol.jsonrpc import MAX_DEPTH
 from runtime.runner import ANONYMOUS, Runner
@@ -710,10 +711,36 @@ async def test_list_tasks_after_a_status_timestamp_gives_exactly_the_tasks_whose
         # A nanosecond later, as a ProtoJSON Timestamp can say: no status of a whole microsecond
         # is at or after it unless it is at or after the next microsecond.
         stamps[rfc3339_us(at).removesuffix("Z") + "001Z"] = at + one_us
+        # The same with ISO 8601's decimal comma, which is read as well; and a time at an offset.
+        stamps[rfc3339_us(at).replace(".", ",").removesuffix("Z") + "001Z"] = at + one_us
+        stamps[at.astimezone(timezone(timedelta(hours=5, minutes=30))).isoformat(timespec="microseconds")] = at
         for stamp, given in stamps.items():
             listed = await keel.result("ListTasks", {"contextId": "poll-ctx", "statusTimestampAfter": stamp})
             expected = {task_id for task_id, moment in moments.items() if moment >= given}
             assert {listed_task["id"] for listed_task in listed["tasks"]} == expected, stamp
+
+
+async def test_a_status_is_dated_after_the_one_before_it_even_when_the_clock_steps_back(
+    keel: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An NTP correction (or an operator) sets the system clock back an hour while a task works.
+    # Dated by the clock alone, its end would be older than its start: ListTasks would sort it
+    # behind tasks that ended before it, and a client polling with the time it last saw
+    # (statusTimestampAfter, as the README says to poll) would never see it end.
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="done")]
+    task = await keel.send("Count the open incidents", blocking=False)
+    await keel.gate.wait_entered()
+    working = await keel.result("GetTask", {"id": task["id"]})
+    assert working["status"]["state"] == "TASK_STATE_WORKING"
+    clock = runtime.tasks.now
+    monkeypatch.setattr(runtime.tasks, "now", lambda: clock() - timedelta(hours=1))
+    keel.gate.opened.set()
+    await keel.runner.wait_settled(ANONYMOUS, task["id"])
+    done = await keel.result("GetTask", {"id": task["id"]})
+    stamps = [datetime.fromisoformat(t["status"]["timestamp"]) for t in (task, working, done)]
+    assert stamps == sorted(stamps) and len(set(stamps)) == 3, stamps
+    polled = await keel.result("ListTasks", {"statusTimestampAfter": working["status"]["timestamp"]})
+    assert [t["status"]["state"] for t in polled["tasks"]] == ["TASK_STATE_COMPLETED"]
 
 
 @pytest.mark.parametrize(
