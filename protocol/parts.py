@@ -16,6 +16,10 @@ from protocol.versions import ProtocolVersion
 
 V1 = ProtocolVersion.V1_0
 
+# The metadata key that marks a 0.3 data part as a wrapped value ({"value": ...}) rather than an
+# object, as the a2a-sdk's 0.3 codec (compat/v0_3/conversions.py) writes and reads it.
+DATA_PART_COMPAT = "data_part_compat"
+
 
 @attrs.frozen
 class TextPart:
@@ -40,9 +44,11 @@ class DataPart:
     def to_json(self, version: ProtocolVersion) -> JsonObject:
         if version is V1:
             return {"data": self.data, **compact([("mediaType", self.media_type), ("metadata", self.metadata)])}
-        # 0.3 DataPart.data is an object; any other JSON value goes under "value" so it survives.
-        data = self.data if isinstance(self.data, dict) else {"value": self.data}
-        return {"kind": "data", "data": data, **compact([("metadata", self.metadata)])}
+        if isinstance(self.data, dict):
+            return {"kind": "data", "data": self.data, **compact([("metadata", self.metadata)])}
+        # 0.3 DataPart.data is an object: any other JSON value goes as the reference's 0.3 codec
+        # sends it, under "value" and marked in the metadata, so that 0.3 clients unwrap it.
+        return {"kind": "data", "data": {"value": self.data}, "metadata": {**(self.metadata or {}), DATA_PART_COMPAT: True}}
 
 
 @attrs.frozen
@@ -111,7 +117,12 @@ def _part_v03(reader: JsonReader) -> Part:
         data = reader.opt_object("data")
         if data is None:
             raise InvalidParams(reader.at("data"), "an object", got=reader.sent("data"))
-        return DataPart(data, None, metadata)
+        if metadata is None or metadata.get(DATA_PART_COMPAT) is not True:
+            return DataPart(data, None, metadata)
+        if "value" not in data:
+            raise InvalidParams(reader.at("data.value"), problem=f"is missing: the part's metadata says {DATA_PART_COMPAT}")
+        rest = {key: value for key, value in metadata.items() if key != DATA_PART_COMPAT}
+        return DataPart(data["value"], None, rest or None)
     if kind == "file":
         file = reader.child("file")
         if file.has("bytes") == file.has("uri"):

@@ -60,7 +60,7 @@ def parts(version: ProtocolVersion) -> st.SearchStrategy[Any]:
     v1 = version is V1
     media = optional_names if v1 else st.none()
     text = st.builds(TextPart, st.text(max_size=20), media, metadata)
-    data = st.builds(DataPart, json_values.filter(lambda v: v is not None) if v1 else objects, media, metadata)
+    data = st.builds(DataPart, json_values.filter(lambda v: v is not None), media, metadata)
     inline = st.builds(
         FilePart, raw=st.binary(max_size=16), filename=optional_names, media_type=optional_names, metadata=metadata
     )

@@ -144,9 +144,19 @@ def test_part_0_3_bad_shapes_name_the_field(obj: Any, complaint: str) -> None:
         part_from_json(obj, V03, "p")
 
 
-def test_part_data_that_is_not_an_object_is_wrapped_for_0_3() -> None:
-    assert DataPart([1, 2]).to_json(V03) == {"kind": "data", "data": {"value": [1, 2]}}
+def test_part_data_that_is_not_an_object_is_wrapped_for_0_3_as_the_reference_wraps_it() -> None:
+    wrapped = {"kind": "data", "data": {"value": [1, 2]}, "metadata": {"data_part_compat": True}}
+    assert DataPart([1, 2]).to_json(V03) == wrapped
+    assert part_from_json(wrapped, V03, "p") == DataPart([1, 2])
+    kept = DataPart(None, metadata={"source": "form"})
+    assert part_from_json(kept.to_json(V03), V03, "p") == kept
     assert DataPart({"a": 1}).to_json(V03) == {"kind": "data", "data": {"a": 1}}
+    assert part_from_json({"kind": "data", "data": {"value": 1}}, V03, "p") == DataPart({"value": 1})
+
+
+def test_part_0_3_data_marked_as_wrapped_without_its_value_names_the_field() -> None:
+    with pytest.raises(InvalidParams, match=r"'p\.data\.value' is missing: the part's metadata says data_part_compat"):
+        part_from_json({"kind": "data", "data": {"v": 1}, "metadata": {"data_part_compat": True}}, V03, "p")
 
 
 def test_part_file_encodes_base64_and_uses_each_versions_names() -> None:

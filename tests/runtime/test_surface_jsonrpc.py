@@ -261,7 +261,7 @@ async def test_a_1_0_data_part_may_hold_null_as_any_json_value(keel: Served) -> 
     stored = await keel.result("GetTask", {"id": done["id"]})
     assert stored["history"][0]["parts"] == [{"text": "What is in it?"}, {"data": None}]
     legacy = await keel.result("tasks/get", {"id": done["id"]}, version=None)
-    assert legacy["history"][0]["parts"][1] == {"kind": "data", "data": {"value": None}}
+    assert legacy["history"][0]["parts"][1] == {"kind": "data", "data": {"value": None}, "metadata": {"data_part_compat": True}}
 
 
 @BOTH
