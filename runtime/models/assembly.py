@@ -15,7 +15,9 @@ import attrs
 from persistence.transcript import Message, ToolCall
 from runtime.models.errors import ModelBadResponse
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
-from runtime.models.wire import SAID_CHARS, arguments_text, inferred_finish_reason, optional_str, parse_usage, tool_call, unicode_text
+from runtime.models.wire import (
+    SAID_CHARS, arguments_text, content_text, inferred_finish_reason, optional_str, parse_usage, tool_call, unicode_text,
+)
 
 
 @attrs.define
@@ -40,10 +42,12 @@ class StreamAssembler:
     max_event_chars: int | None = attrs.field(default=None, kw_only=True)
     done: bool = attrs.field(init=False, default=False)
     _data: list[str] = attrs.field(init=False, factory=list)
+    _event: str = attrs.field(init=False, default="")  # the type of the event being collected
     _data_chars: int = attrs.field(init=False, default=0)
     _text: list[str] = attrs.field(init=False, factory=list)
     _held: str = attrs.field(init=False, default="")  # a surrogate that ended the last text, awaiting its pair
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
+    _moved: dict[int, int] = attrs.field(init=False, factory=dict)  # a server's call index, to the call it now leads to
     _finish_reason: str = attrs.field(init=False, default="")
     _usage: Usage | None = attrs.field(init=False, default=None)
 
@@ -54,12 +58,19 @@ class StreamAssembler:
         if not line:
             return self._dispatch()
         field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
         if field == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
+            self._data.append(value)
             self._data_chars += len(value)
             if self.max_event_chars is not None and self._data_chars > self.max_event_chars:
                 raise ModelBadResponse(self.model, f"a stream event is longer than {self.max_event_chars} characters")
-        # Comments (":" keep-alives) and the event, id and retry fields carry nothing we use.
+        elif field == "event":
+            self._event = value
+        elif field == "error":
+            # llama.cpp's server, until late 2025, reported a failure in a field of its own, which
+            # the event-stream rules ignore, and then sent [DONE] (ggml-org/llama.cpp#16109).
+            raise self._reported(value)
+        # Comments (":" keep-alives) and the id and retry fields carry nothing we use.
         return []
 
     @property
@@ -122,6 +133,7 @@ class StreamAssembler:
         return unicode_text(text)
 
     def _dispatch(self) -> list[Delta]:
+        event, self._event = self._event, ""
         if not self._data:
             return []
         data = "\n".join(self._data)
@@ -129,6 +141,8 @@ class StreamAssembler:
         self._data_chars = 0
         if not data.strip():  # an event with no data is not dispatched (a proxy's heartbeat, say)
             return []
+        if event == "error":  # whatever its data's shape: what came before it is not the whole answer
+            raise self._reported(data)
         if data.strip() == "[DONE]":
             self.done = True
             finish = [] if self._finish_reason else self._finish(inferred_finish_reason(self._tool_calls()))
@@ -143,8 +157,7 @@ class StreamAssembler:
         if not isinstance(chunk, dict):
             raise ModelBadResponse(self.model, "a stream event is not a JSON object")
         if "error" in chunk:
-            detail = json.dumps(chunk["error"], ensure_ascii=False)[:SAID_CHARS]
-            raise ModelBadResponse(self.model, "the server reported an error in the middle of the answer", detail=detail)
+            raise self._reported(json.dumps(chunk["error"], ensure_ascii=False))
         deltas: list[Delta] = []
         choices = chunk.get("choices") or []
         if not isinstance(choices, list):
@@ -158,12 +171,16 @@ class StreamAssembler:
             self._usage = usage
         return deltas
 
+    def _reported(self, said: str) -> ModelBadResponse:
+        """The error for a failure the server reported in the stream; what it said is the log's."""
+        return ModelBadResponse(self.model, "the server reported an error in the middle of the answer", detail=said[:SAID_CHARS])
+
     def _on_choice(self, choice: dict[str, Any]) -> list[Delta]:
         deltas: list[Delta] = []
         delta = choice.get("delta") or {}
         if not isinstance(delta, dict):
             raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
-        text = self._unicode(optional_str(delta.get("content"), model=self.model, what="a chunk's content"))
+        text = self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content"))
         if text:
             self._text.append(text)
             deltas.append(TextDelta(text))
@@ -183,13 +200,16 @@ class StreamAssembler:
         if not isinstance(call, dict):
             raise ModelBadResponse(self.model, "a tool call fragment is not a JSON object")
         call_id = optional_str(call.get("id"), model=self.model, what="the id of a tool call")
-        index = call["index"] if call.get("index") is not None else self._unindexed(call_id, position)
+        given = call.get("index")
+        index = self._unindexed(call_id, position) if given is None else given
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ModelBadResponse(self.model, "a tool call fragment has an index that is not a count")
         function = call.get("function") or {}
         if not isinstance(function, dict):
             raise ModelBadResponse(self.model, f"tool call {index} is not a function call")
         name = optional_str(function.get("name"), model=self.model, what=f"the name of tool call {index}")
+        if given is not None:
+            index = self._reindexed(index, call_id, name)
         fragment = arguments_text(function.get("arguments"), model=self.model, index=index)
         parts = self._calls.setdefault(index, _CallParts())
         # The id and name come once; a server that repeats them in later fragments is not
@@ -199,6 +219,19 @@ class StreamAssembler:
         if fragment:
             parts.arguments.append(fragment)
         return ToolCallDelta(index=index, id=call_id, name=name, arguments=fragment)
+
+    def _reindexed(self, index: int, call_id: str, name: str) -> int:
+        """Where a fragment given ``index`` goes. One that names a call, with an id other than that
+        of the call its index leads to, opens the next call, or goes on with the call of that id
+        (Ollama streams every call of a parallel batch at index 0, ollama/ollama#15457); the
+        fragments after it at that index go on with the call it led to. A fragment with another id
+        but no name goes on with its index's call (Poolside gives a call's later pieces an id of
+        their own, poolsideai/pool#9)."""
+        held = self._calls.get(self._moved.get(index, index))
+        if call_id and name and held is not None and held.id and held.id != call_id:
+            known = next((other for other, parts in self._calls.items() if parts.id == call_id), None)
+            self._moved[index] = known if known is not None else max(self._calls) + 1
+        return self._moved.get(index, index)
 
     def _unindexed(self, call_id: str, position: int) -> int:
         """Where a fragment that gives no index goes (a server that sends whole calls): one with

@@ -29,7 +29,9 @@ from protocol.sse import LineTooLong
 from runtime.models.assembly import StreamAssembler
 from runtime.models.endpoint import ModelConfig
 from runtime.models.errors import ModelBadResponse, ModelError, ModelTimeout
-from runtime.models.failures import Failure, broken_answer, failure_of_status, failure_to_send, part_awaited
+from runtime.models.failures import (
+    Failure, broken_answer, failure_of_status, failure_to_send, part_awaited, refuses_stream_options,
+)
 from runtime.models.values import ChatRequest, Completion, Delta, Finish, TextDelta
 from runtime.models.wire import SAID_CHARS, parse_completion, request_body
 
@@ -107,6 +109,7 @@ class ModelClient:
 
     config: ModelConfig
     _http: httpx.AsyncClient = attrs.field(alias="http")
+    _usage_refused: bool = attrs.field(init=False, default=False)  # the server refuses stream_options
 
     async def complete(self, request: ChatRequest) -> Completion:
         """The model's next message, in one piece.
@@ -192,6 +195,24 @@ class ModelClient:
                     return response
                 failure = failure_of_status(self.config, response, await self._body_start(response), attempt)
             await self._wait_to_retry(failure, attempt)
+
+    async def _open_stream(self, body: dict[str, Any]) -> httpx.Response:
+        """``_open`` for a streamed answer. A server that refuses the ``stream_options`` asking for
+        its usage is asked again without them, now and from then on: its answers' usage is all
+        that is lost, where every answer would be."""
+        if self._usage_refused:
+            body = {key: value for key, value in body.items() if key != "stream_options"}
+        try:
+            return await self._open("POST", "chat/completions", body, accept="text/event-stream")
+        except ModelError as exc:
+            if "stream_options" not in body or not refuses_stream_options(exc):
+                raise
+            logger.warning(
+                "model %r at %s refuses stream_options (%s); asking without them, so its answers' usage is not known",
+                self.config.model, self.config.endpoint, exc.detail,
+            )
+        self._usage_refused = True
+        return await self._open_stream(body)
 
     async def _wait_to_retry(self, failure: Failure, attempt: int) -> None:
         """Sleep before the next attempt, or raise the failure's error if there is none."""
@@ -339,7 +360,7 @@ class ChatStream:
             raise RuntimeError("A ChatStream is read once; call client.stream(request) again for another answer.")
         self._entered = True
         body = request_body(self._request, model=self._client.config.model, stream=True)
-        self._response = await self._client._open("POST", "chat/completions", body, accept="text/event-stream")
+        self._response = await self._client._open_stream(body)
         media = self._response.headers.get("content-type", "").split(";")[0].strip().lower()
         if media == "text/html":  # a proxy's error page, say: not a stream that ended early
             detail = await self._client._body_start(self._response)

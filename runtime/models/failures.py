@@ -107,6 +107,13 @@ def failure_of_status(config: ModelConfig, response: httpx.Response, detail: str
     return Failure(error, retry=False)
 
 
+def refuses_stream_options(error: ModelError) -> bool:
+    """Whether ``error`` is a server refusing the ``stream_options`` a streamed request asks for its
+    usage with, as some refuse fields they do not know (Azure AI's serverless models, 400: "Extra
+    parameters ['stream_options'] are not allowed"), rather than the request itself."""
+    return isinstance(error, ModelRejected) and error.status in (400, 422) and "stream_options" in error.detail
+
+
 def broken_answer(config: ModelConfig, exc: httpx.RequestError, *, started: bool) -> ModelError:
     """The error for a failure after the server answered 2xx: never retried. ``started``:
     whether any of the answer had arrived."""

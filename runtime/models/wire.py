@@ -128,7 +128,7 @@ def parse_completion(data: object, *, model: str) -> Completion:
     message = choices[0].get("message")
     if not isinstance(message, dict):
         raise ModelBadResponse(model, "the first choice has no message")
-    text = unicode_text(optional_str(message.get("content"), model=model, what="the message content"))
+    text = unicode_text(content_text(message.get("content"), model=model, what="the message content"))
     wire_calls = message.get("tool_calls") or []
     if not isinstance(wire_calls, list):
         raise ModelBadResponse(model, "the message's tool calls are not a list")
@@ -218,6 +218,16 @@ def _count(value: object) -> int | None:
     if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
     return None
+
+
+def content_text(content: object, *, model: str, what: str) -> str:
+    """A message's content: its text, or, given as a list of typed parts (as Mistral's API sends
+    its reasoning models' answers), the text of its "text" parts; the others ("thinking") are
+    not the answer."""
+    if isinstance(content, list):
+        texts = (part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text")
+        return "".join(text for text in texts if isinstance(text, str))
+    return optional_str(content, model=model, what=what)
 
 
 def optional_str(value: object, *, model: str, what: str) -> str:

@@ -56,6 +56,11 @@ def _calls(calls: Iterable[Call]) -> tuple[Call, ...]:
     return tuple(calls)
 
 
+# How llama.cpp's server reported a failure in the middle of a stream until late 2025: a field of
+# its own, which the event-stream rules ignore, followed by [DONE].
+LLAMA_CPP_ERROR = 'error: {"code": 500, "message": "the model failed mid-answer", "type": "server_error"}'
+
+
 @attrs.frozen
 class Reply:
     """An answer. Streamed, its text and each call's arguments go out ``chunk_chars`` at a time.
@@ -67,6 +72,13 @@ class Reply:
     connection open does, but no event. ``ignore_stream`` answers in one JSON body even when asked
     to stream, as some servers and proxies do. ``repeat_call_names`` repeats each call's id and
     name in every piece of it, as some servers do.
+
+    Streamed, other servers' dialects: ``reasoning`` goes out before the text, ``chunk_chars`` at a
+    time, in ``reasoning_field`` deltas whose content is empty (a reasoning model thinking).
+    ``content_parts`` sends content (and reasoning) as lists of typed parts, as Mistral's API does
+    for its reasoning models. ``same_call_index`` gives every call index 0, as Ollama streams
+    parallel calls. ``error_after_chunks=N`` sends N events, then ``error_event`` (written as it
+    is) and ``[DONE]``, as a server that fails mid-answer does.
     """
 
     text: str = ""
@@ -80,6 +92,12 @@ class Reply:
     ignore_stream: bool = False
     repeat_call_names: bool = False
     finish_reason: str = ""  # "" gives "tool_calls" or "stop"
+    reasoning: str = ""
+    reasoning_field: str = "reasoning_content"  # vLLM's, llama.cpp's and DeepSeek's; Ollama's is "reasoning"
+    content_parts: bool = False
+    same_call_index: bool = False
+    error_after_chunks: int | None = None
+    error_event: str = LLAMA_CPP_ERROR
     prompt_tokens: int = 12
     completion_tokens: int = 8
 
@@ -263,15 +281,22 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
         return _json({**head, "choices": [choice]})
 
     yield chunk({"role": "assistant", "content": ""})
+    for piece in _pieces(reply.reasoning, reply.chunk_chars):
+        if reply.content_parts:
+            yield chunk({"content": [{"type": "thinking", "thinking": [{"type": "text", "text": piece}]}]})
+        else:
+            yield chunk({"content": "", reply.reasoning_field: piece})
     for piece in _pieces(reply.text, reply.chunk_chars):
-        yield chunk({"content": piece})
+        yield chunk({"content": [{"type": "text", "text": piece}] if reply.content_parts else piece})
     for index, call in enumerate(reply.tool_calls):
         function = {"name": call.name, "arguments": ""}
-        yield chunk({"tool_calls": [{"index": index, "id": _call_id(call, number, index), "type": "function", "function": function}]})
+        at = 0 if reply.same_call_index else index
+        call_id = _call_id(call, number, index)
+        yield chunk({"tool_calls": [{"index": at, "id": call_id, "type": "function", "function": function}]})
         for piece in _pieces(call.arguments, reply.chunk_chars):
-            again = {"id": _call_id(call, number, index), "type": "function"} if reply.repeat_call_names else {}
+            again = {"id": call_id, "type": "function"} if reply.repeat_call_names else {}
             named = {"name": call.name} if reply.repeat_call_names else {}
-            yield chunk({"tool_calls": [{"index": index, **again, "function": {**named, "arguments": piece}}]})
+            yield chunk({"tool_calls": [{"index": at, **again, "function": {**named, "arguments": piece}}]})
     yield chunk({}, _finish_reason(reply))
     if usage:
         yield json.dumps({**head, "choices": [], "usage": _usage(reply)})
@@ -279,7 +304,8 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
 
 
 def _completion(reply: Reply, request: dict[str, Any], number: int) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.text or (None if reply.tool_calls else "")}
+    content = [{"type": "text", "text": reply.text}] if reply.content_parts else reply.text
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if reply.tool_calls else "")}
     if reply.tool_calls:
         message["tool_calls"] = [
             {"id": _call_id(call, number, index), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
@@ -301,6 +327,11 @@ async def _send_stream(send: Send, reply: Reply, events: Iterator[str], exchange
     for sent, event in enumerate(data):
         if sent == reply.fail_after_chunks:
             return  # returning before the body is complete makes hypercorn drop the connection
+        if sent == reply.error_after_chunks:
+            exchange.complete = True
+            failed = f"{reply.error_event}\n\ndata: [DONE]\n\n".encode()
+            await send({"type": "http.response.body", "body": failed, "more_body": False})
+            return
         if sent == reply.hang_after_chunks:  # a stalled model; ends when the client goes away
             while reply.keepalive_s:
                 await trio.sleep(reply.keepalive_s)

@@ -1,0 +1,156 @@
+"""What OpenAI-compatible servers other than OpenAI's send, read through the real client against the
+fake model server on loopback: each test names the server whose dialect it speaks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from fake_model import Call, ErrorReply, FakeModel, Reply
+
+from persistence.session import Session
+from persistence.sessions import open_session_store
+from persistence.transcript import Message, ToolCall
+from runtime.agent import AgentSpec
+from runtime.models import ModelBadResponse, TextDelta, open_model_client
+from runtime.models.assembly import StreamAssembler
+from tests.runtime.agent_support import lookup_tool, question, run_turn, sent_messages, stored_messages
+from tests.runtime.test_models import ASK, DEADLINE_S, config_for, read_stream, sse
+
+VAULT = '{"service": "vault"}'
+
+
+@pytest.mark.parametrize(
+    "error_event",
+    [
+        # llama.cpp's server until late 2025 (ggml-org/llama.cpp#16109): a field of its own.
+        'error: {"code": 500, "message": "the model failed mid-answer", "type": "server_error"}',
+        # The event-stream rules' own way, whatever the data's shape.
+        'event: error\ndata: {"message": "the model failed mid-answer"}',
+    ],
+    ids=["llama.cpp-error-field", "error-event"],
+)
+async def test_an_error_reported_mid_stream_in_another_shape_fails_the_answer_rather_than_end_it(
+    fake_model: FakeModel, error_event: str
+) -> None:
+    # Both are followed by [DONE]: read as nothing, the text so far would pass for the whole answer.
+    fake_model.script = [Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3, error_event=error_event)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=0)) as client:
+            async with client.stream(ASK) as chunks:
+                with pytest.raises(ModelBadResponse) as raised:
+                    async for _ in chunks:
+                        pass
+                partial = chunks.partial_message()
+    assert raised.value.reason == "the server reported an error in the middle of the answer"
+    assert "the model failed mid-answer" in raised.value.detail
+    assert (partial.text, partial.partial) == ("The lease ", True)
+
+
+async def test_a_turn_whose_server_reports_an_error_mid_answer_fails_and_keeps_the_text_as_partial(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # As llama.cpp's server did until late 2025: completed, the task would hold half an answer as the whole.
+    path = tmp_path / "runtime.db"
+    fake_model.script = [Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(path) as store:
+            with pytest.raises(ModelBadResponse, match="reported an error in the middle of the answer"):
+                await run_turn(fake_model, AgentSpec(), question(), session=Session.open("incident-7", store))
+        stored = await stored_messages(path, "incident-7")
+    assert stored == [*question(), Message(role="assistant", text="The lease ", partial=True)]
+
+
+async def test_parallel_calls_a_server_streams_all_at_index_0_stay_apart(fake_model: FakeModel) -> None:
+    # Ollama streams every call of a parallel batch at index 0 (ollama/ollama#15457), each with its own id.
+    calls = [Call("clock", "{}"), Call("lookup", VAULT), Call("lookup", '{"service": "dns"}')]
+    fake_model.script = [Reply(tool_calls=calls, same_call_index=True, chunk_chars=5)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            _, completion = await read_stream(client)
+    assert completion.message.tool_calls == (
+        ToolCall("call_1_0", "clock", "{}"),
+        ToolCall("call_1_1", "lookup", VAULT),
+        ToolCall("call_1_2", "lookup", '{"service": "dns"}'),
+    )
+
+
+def test_later_pieces_of_a_call_that_come_with_an_id_of_their_own_go_on_with_that_call() -> None:
+    # Poolside gives a call's later pieces an id other than its first's (poolsideai/pool#9): no new call.
+    def piece(call_id: str, arguments: str, name: str = "") -> dict[str, Any]:
+        function = {"name": name, "arguments": arguments} if name else {"arguments": arguments}
+        call = {"index": 0, "id": call_id, "function": function}
+        return {"choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+
+    finished = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+    assembler = StreamAssembler("m")
+    pieces = [piece("call_a", "", name="lookup"), piece("call_b", '{"service": '), piece("call_b", '"vault"}')]
+    for line in sse(*pieces, finished, "[DONE]"):
+        assembler.feed_line(line)
+    assert assembler.completion().message.tool_calls == (ToolCall("call_a", "lookup", VAULT),)
+
+
+async def test_a_turn_runs_each_of_the_parallel_calls_a_server_streams_at_index_0(fake_model: FakeModel) -> None:
+    fake_model.script = [
+        Reply(tool_calls=[Call("lookup", VAULT), Call("lookup", '{"service": "dns"}')], same_call_index=True),
+        Reply(text="Both expired."),
+    ]
+    calls: list[dict[str, Any]] = []
+    with trio.fail_after(DEADLINE_S):
+        result = await run_turn(fake_model, AgentSpec(tools=[lookup_tool(calls)]), question())
+    assert calls == [{"service": "vault"}, {"service": "dns"}]
+    answered = [message["tool_call_id"] for message in sent_messages(fake_model.bodies[1]) if message["role"] == "tool"]
+    assert answered == ["call_1_0", "call_1_1"]
+    assert result.output == "Both expired."
+
+
+@pytest.mark.parametrize(
+    ("status", "said"),
+    [
+        # Azure AI's serverless models (CherryHQ/cherry-studio#9214).
+        (400, {"detail": "Extra parameters ['stream_options'] are not allowed when extra-parameters is not set"}),
+        # A server whose request schema forbids fields it does not know.
+        (422, {"error": {"message": "Validation error at #/stream_options: Extra inputs are not permitted"}}),
+    ],
+)
+async def test_a_server_that_refuses_stream_options_is_asked_again_without_them_and_not_again(
+    fake_model: FakeModel, status: int, said: dict[str, object]
+) -> None:
+    fake_model.script = [ErrorReply(status, body=json.dumps(said)), Reply(text="Answered."), Reply(text="Again.")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=0)) as client:
+            _, first = await read_stream(client)
+            _, second = await read_stream(client)
+    assert (first.message.text, second.message.text) == ("Answered.", "Again.")
+    assert [("stream_options" in body) for body in fake_model.bodies] == [True, False, False]
+    assert (first.usage, second.usage) == (None, None)  # the one thing lost: what the answers cost
+
+
+async def test_content_sent_as_typed_parts_is_read_and_its_thinking_is_not_the_answer(fake_model: FakeModel) -> None:
+    # Mistral's API streams its reasoning models' content as lists of "thinking" and "text" parts
+    # (BerriAI/litellm#16272), and answers in one body the same way.
+    reply = Reply(text="The lease expired.", reasoning="The user asks about the lease.", content_parts=True)
+    fake_model.script = [reply, reply]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            deltas, streamed = await read_stream(client)
+            whole = await client.complete(ASK)
+    assert "".join(delta.text for delta in deltas if isinstance(delta, TextDelta)) == "The lease expired."
+    assert streamed.message.text == whole.message.text == "The lease expired."
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_a_model_that_reasons_longer_than_the_timeout_is_not_cut_off_nor_its_reasoning_taken_for_the_answer(
+    fake_model: FakeModel, field: str
+) -> None:
+    # vLLM, llama.cpp and DeepSeek stream reasoning_content; Ollama and newer vLLM, reasoning. The
+    # content stays empty meanwhile, for longer than the model may send nothing.
+    fake_model.script = [Reply(text="Renew it.", reasoning="x" * 40, reasoning_field=field, chunk_chars=2, gap_s=0.05)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=0.4)) as client:
+            deltas, completion = await read_stream(client)
+    assert "".join(delta.text for delta in deltas if isinstance(delta, TextDelta)) == "Renew it."
+    assert (completion.message.text, completion.finish_reason) == ("Renew it.", "stop")
