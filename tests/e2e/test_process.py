@@ -565,9 +565,12 @@ async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal
         assert f"waiting for another process (a snapshot, a restore, or a server starting) to let go of {state / GENERATION_LOCK_NAME}" in said
 
 
-def has_loaded(pid: int, library: str) -> bool:
-    """Whether process ``pid`` has mapped a shared library whose path holds ``library``."""
-    return library in Path(f"/proc/{pid}/maps").read_text()
+def has_loaded(process: trio.Process, library: str) -> bool:
+    """Whether ``process`` has mapped a shared library whose path holds ``library``. One that has
+    exited never will (its map reads empty until it is reaped): that fails at once, not at the
+    deadline."""
+    assert process.poll() is None, f"serve exited with {process.returncode} before it loaded {library}"
+    return library in Path(f"/proc/{process.pid}/maps").read_text()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda sig: sig.name)
@@ -583,16 +586,17 @@ async def test_a_signal_while_serve_loads_its_modules_ends_the_start_as_one_a_mo
 ) -> None:
     # A Ctrl-C in serve's first second ended in a KeyboardInterrupt traceback, and a SIGTERM
     # killed it without a word. The generation lock, held, keeps it from serving meanwhile.
+    said = b""
     async with serve_kept_waiting(tmp_path / "state", fake_model) as process:
-        with trio.fail_after(STARTUP_DEADLINE_S):
-            while not has_loaded(process.pid, loading):
+        with trio.move_on_after(STARTUP_DEADLINE_S) as deadline:
+            while not has_loaded(process, loading):
                 await trio.sleep(0.002)  # polling against a deadline: the library is mapped within a second
             process.send_signal(sig)
             assert process.stdout is not None
-            said = b""
             async for chunk in process.stdout:
                 said += chunk
             returncode = await process.wait()
+        assert not deadline.cancelled_caught, f"serve did not end within {STARTUP_DEADLINE_S} s; it said: {said.decode()!r}"
     assert returncode == 0, said.decode()
     assert "Traceback" not in said.decode() and "keel serving" not in said.decode()
     assert f"{sig.name} before the server was serving: not starting" in said.decode()
