@@ -26,7 +26,7 @@ from persistence.errors import (
 )
 from persistence.locks import TurnLocks
 from persistence.sessions import now_ms
-from persistence.tasks import UNFINISHED_STATES, check_listing_time, check_page_size, decode_page_token, encode_page_token
+from persistence.tasks import UNFINISHED_STATES, check_listing_time, check_page_size, decode_page_token, take_page
 from persistence.transcript import Message
 from persistence.validate import (
     MAX_EVENT_BYTES,
@@ -323,8 +323,7 @@ class MemoryTaskStore(_Closable):
             reverse=True,
         )
         rest = [r for r in matching if after is None or (r.updated_at_ms, r.id) < after]
-        records = tuple(rest[:page_size])
-        token = encode_page_token(records[-1]) if len(rest) > page_size else ""
+        records, token = take_page(rest, page_size)
         return TaskPage(records=records, next_page_token=token, total_size=len(matching))
 
     async def unfinished(self) -> Sequence[TaskRecord]:

@@ -31,6 +31,7 @@ from persistence.errors import (
     VersionConflict,
 )
 from persistence.session import Session
+from persistence.tasks import MAX_PAGE_CHARS
 from persistence.transcript import Message, ToolCall
 
 DEADLINE_S = 30  # every check is bounded; none should come near it
@@ -748,6 +749,23 @@ async def listing_filters_orders_newest_first_and_pages_through_everything_once(
         assert later.records == () and later.total_size == 0
         earlier = await store.list("alice", updated_after_ms=newest.updated_at_ms - 10**9)
         assert earlier.total_size == 23
+
+
+@task_check
+async def a_page_ends_early_once_its_tasks_pass_the_page_limit_and_the_next_goes_on_from_there(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        big = json.dumps({"history": "x" * (MAX_PAGE_CHARS // 3)})
+        for i in range(5):
+            await store.create("alice", task_id=f"t{i}", context_id="ctx", state=SUBMITTED, task_json=big, updated_at_ms=1000 + i)
+        await store.create("alice", task_id="huge", context_id="ctx", state=SUBMITTED, task_json=big * 4, updated_at_ms=999)
+        pages: list[list[str]] = []
+        token = ""
+        while not pages or token:
+            page = await store.list("alice", page_size=100, page_token=token)
+            assert page.total_size == 6
+            pages.append([r.id for r in page.records])
+            token = page.next_page_token
+        assert pages == [["t4", "t3"], ["t2", "t1"], ["t0"], ["huge"]]  # one task larger than a page is a page
 
 
 @task_check

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import sqlite3
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Self
@@ -20,6 +20,9 @@ from persistence.validate import MAX_INTEGER, check_integer, check_task, check_t
 from persistence.writer import WriterBacked, running
 
 MAX_PAGE_SIZE = 100
+# What one page's tasks may hold as stored: a task can hold 33 messages of 1 MiB, so a page of 100
+# read whole could be gigabytes. A page ends early past it, with a token for the next.
+MAX_PAGE_CHARS = 8 << 20
 UNFINISHED_STATES = ("TASK_STATE_SUBMITTED", "TASK_STATE_WORKING")
 
 
@@ -126,6 +129,20 @@ def encode_page_token(record: TaskRecord) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+def take_page(records: Iterable[TaskRecord], page_size: int) -> tuple[tuple[TaskRecord, ...], str]:
+    """The first of ``records`` that make a page, and the token of the next page ("" if none): at
+    most ``page_size`` of them, and no more once their JSON passes MAX_PAGE_CHARS (at least one).
+    ``records`` is read one at a time, and only up to the first one not taken."""
+    taken: list[TaskRecord] = []
+    chars = 0
+    for record in records:
+        chars += len(record.task_json)
+        if len(taken) == page_size or (taken and chars > MAX_PAGE_CHARS):
+            return tuple(taken), encode_page_token(taken[-1])
+        taken.append(record)
+    return tuple(taken), ""
+
+
 def decode_page_token(token: str) -> tuple[int, str]:
     try:
         updated, task_id = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
@@ -207,9 +224,11 @@ def _list_txn(
     rows = conn.execute(
         f"SELECT {_COLUMNS} FROM tasks WHERE {' AND '.join(where)} ORDER BY updated_at_ms DESC, id DESC LIMIT :limit",
         params,
-    ).fetchall()
-    records = tuple(record_from_row(row) for row in rows[:page_size])
-    token = encode_page_token(records[-1]) if len(rows) > page_size else ""
+    )
+    try:  # read row by row: a page may end before its page size
+        records, token = take_page(map(record_from_row, rows), page_size)
+    finally:
+        rows.close()
     return TaskPage(records=records, next_page_token=token, total_size=int(total))
 
 

@@ -60,6 +60,7 @@ from protocol.messages import Message, Role
 from protocol.methods import METHODS, Operation, Route, response_version, route
 from protocol.params import (
     DEFAULT_PAGE_SIZE,
+    MAX_DATA_VALUES,
     MAX_ID_CHARS,
     MAX_PAGE_SIZE,
     MAX_PARTS,
@@ -78,6 +79,7 @@ from protocol.versions import VERSION_HEADER, ProtocolVersion, parse_version_hea
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
+    "MAX_DATA_VALUES",
     "MAX_ID_CHARS",
     "MAX_PAGE_SIZE",
     "MAX_PARTS",

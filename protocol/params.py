@@ -30,6 +30,10 @@ MAX_ID_CHARS = 512
 # one: 85,000 small parts (under the 1 MiB a body may be) took the server 14 times as long as the
 # same bytes in one part, about 1.8 s of its event loop, while every other client waited.
 MAX_PARTS = 1000
+# The most JSON values (objects, arrays, strings, numbers...) a message's data parts may hold. Each is
+# an object of its own in memory for as long as its task runs: 250,000 empty objects, 1 MiB as
+# sent, kept about 20 MiB for each run that had them.
+MAX_DATA_VALUES = 50_000
 
 
 @attrs.frozen(kw_only=True)
@@ -95,6 +99,7 @@ class SendMessageParams:
         reader = JsonReader.of(params, "", proto_names=not version.is_legacy)
         configuration = reader.opt_child("configuration")
         _check_part_count(reader.value("message"))  # before any part is read
+        _check_data_values(reader.value("message"))
         message = Message.from_json(reader.sent("message"), version, "message")
         _check_ids(message)
         return cls(
@@ -117,6 +122,25 @@ def _check_part_count(message: object) -> None:
     if isinstance(parts, list) and len(parts) > MAX_PARTS:
         raise InvalidParams(
             "message.parts", problem=f"are {len(parts)}; a message may have at most {MAX_PARTS}: send their text as fewer parts"
+        )
+
+
+def _check_data_values(message: object) -> None:
+    parts = message.get("parts") if isinstance(message, dict) else None
+    data = [part["data"] for part in parts if isinstance(part, dict) and "data" in part] if isinstance(parts, list) else []
+    values = 0
+    while data and values <= MAX_DATA_VALUES:
+        value = data.pop()
+        values += 1
+        if isinstance(value, dict):
+            data.extend(value.values())
+        elif isinstance(value, list):
+            data.extend(value)
+    if values > MAX_DATA_VALUES:
+        raise InvalidParams(
+            "message.parts",
+            problem=f"hold more than {MAX_DATA_VALUES} JSON values in their data; a message may hold at most {MAX_DATA_VALUES}:"
+            " send large data as text, or as fewer values",
         )
 
 

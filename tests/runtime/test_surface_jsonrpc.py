@@ -359,7 +359,7 @@ async def test_a_message_larger_than_the_conversation_holds_is_refused_before_an
     # Under the body limit as sent, over what one message of a transcript holds as kept: a data
     # part becomes JSON text, and each of its quotes is escaped again where it is stored.
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
-    data = {"parts": [{"data": {"hosts": ["a"] * 200_000}}]}
+    data = {"parts": [{"data": {"hosts": ["\"" * 13] * 25_000}}]}  # fewer values than a data part may hold
     assert len(json.dumps(keel.body("SendMessage", {"message": {**message("", V1), **data}}))) < 1 << 20
 
     def refused(error: dict[str, Any]) -> None:
