@@ -95,10 +95,15 @@ class Journal:
 
     @classmethod
     def from_json(cls, document: dict[str, object]) -> Journal:
-        """Validate every field; raises RecoveryError naming the first one that is wrong."""
+        """Validate every field; raises RecoveryError naming the first one that is wrong (NewerJournal
+        for a format a newer build writes, whatever its fields)."""
+        version = document.get("format_version")
+        if type(version) is int and version > JOURNAL_FORMAT:
+            raise NewerJournal(version)
         if set(document) != _FIELDS:
-            raise RecoveryError(INCOMPLETE)
-        version = document["format_version"]
+            missing, unknown = sorted(_FIELDS - set(document)), sorted(set(document) - _FIELDS)
+            said = [f"{what}: {', '.join(names)}" for what, names in (("Missing", missing), ("Unknown", unknown)) if names]
+            raise RecoveryError(f"{INCOMPLETE} {'. '.join(said)}.")
         if type(version) is not int or version != JOURNAL_FORMAT:
             raise RecoveryError(
                 f"Unsupported restore journal format {version!r}; this build supports format {JOURNAL_FORMAT}."
@@ -140,6 +145,16 @@ def _inventory(value: object, which: str, safe: Callable[[str], bool]) -> tuple[
         seen.add(name)
         result.append(FileEvidence(filename=name, sha256=digest, size_bytes=size))
     return tuple(result)
+
+
+class NewerJournal(RecoveryError):
+    """A journal in a format only a newer build writes: that build can finish its restore."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(
+            f"Restore journal format {version} was written by a newer Keel build; this build supports format"
+            f" {JOURNAL_FORMAT}. Finish the restore with that build (python -m runtime state recover), then serve again."
+        )
 
 
 class UnreadableJournal(RecoveryError):

@@ -148,7 +148,11 @@ def _read_format(data: bytes, path: Path) -> dict[str, object]:
         raise SnapshotError(f"{path} is not a valid snapshot document: {exc}") from exc
     version = document.get("format_version")
     if version != FORMAT_VERSION or type(version) is not int:
-        raise SnapshotError(f"{path} uses snapshot format {version!r}; this build reads format {FORMAT_VERSION}")
+        newer = type(version) is int and version > FORMAT_VERSION
+        raise SnapshotError(
+            f"{path} uses snapshot format {version!r}; this build reads format {FORMAT_VERSION}"
+            + (" (the snapshot was taken by a newer Keel build: restore it with that build, or a newer one)" if newer else "")
+        )
     return document
 
 

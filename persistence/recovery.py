@@ -30,6 +30,7 @@ from persistence.journal import (
     TEMP_NAME,
     TRANSACTION_ID,
     Journal,
+    NewerJournal,
     UnreadableJournal,
     parse_journal_file,
     publish_journal,
@@ -164,6 +165,9 @@ def recover_locked(state_dir: Path, *, exclusive_held: bool) -> RecoveryOutcome:
 
 def _with_ways_out(exc: RecoveryError, state_dir: Path) -> RecoveryError:
     said = str(exc)
+    # A newer build finishes what it began: emptying the directory would lose what it can keep.
+    if isinstance(exc, NewerJournal):
+        return RecoveryError(f"{said} Recovery left {state_dir} as it was.")
     return type(exc)(f"{said}{' ' if said.endswith('.') else '. '}{ways_out(state_dir)}")
 
 

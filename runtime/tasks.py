@@ -106,9 +106,16 @@ def encode(task: Task) -> str:
     return json.dumps(task.to_json(STORED_VERSION), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
+def _non_finite(name: str) -> str:
+    """Infinity, -Infinity or NaN, which earlier builds stored for a number past a double's range (a
+    client's ``1e999``): read as ProtoJSON spells them, a string, so the task reads, lists and is
+    written again; read as floats, no answer holding it could be encoded."""
+    return name
+
+
 def decode(record: TaskRecord) -> Task:
     try:
-        obj = json.loads(record.task_json)
+        obj = json.loads(record.task_json, parse_constant=_non_finite)
     except ValueError as exc:
         raise UnreadableTask(record.id, f"its JSON does not parse: {exc}") from exc
     try:

@@ -47,7 +47,7 @@ async def test_serve_refuses_a_planted_prepared_journal_before_creating_any_data
     (state / JOURNAL_NAME).write_text(json.dumps({"phase": "prepared"}))
     refused = await run_serve_to_exit(state, fake_model.base_url)
     assert refused.returncode != 0
-    assert "Restore journal is incomplete or has unsupported fields." in refused.stderr
+    assert "Restore journal is incomplete or has unsupported fields. Missing: " in refused.stderr
     assert "Traceback" not in refused.stderr
     assert sorted(p.name for p in state.iterdir() if p.suffix == ".db") == []
     assert (state / JOURNAL_NAME).exists(), "the journal is evidence and stays for the operator"

@@ -234,7 +234,8 @@ def test_recover_refuses_planted_incomplete_journal_and_keeps_it_until_removed(t
     with pytest.raises(RecoveryError) as caught:
         recover(tmp_path)
 
-    assert str(caught.value).startswith(f"Restore journal is incomplete or has unsupported fields. Recovery left {tmp_path} as it was.")
+    assert str(caught.value).startswith(f"{INCOMPLETE} Missing: format_version, new_inventory, old_inventory,")
+    assert f"staging_dir, transaction_id. Recovery left {tmp_path} as it was." in str(caught.value)
     assert journal.read_text() == '{"phase":"prepared"}'
     journal.unlink()
     assert recover(tmp_path).action is RecoveryAction.CLEAN
@@ -269,9 +270,10 @@ def entry_with(**changes: object) -> list[dict[str, object]]:
 @pytest.mark.parametrize(
     ("document", "message"),
     [
-        (without("old_inventory"), INCOMPLETE),
-        (edited(published=True), INCOMPLETE),
-        (edited(format_version=2), "Unsupported restore journal format 2; this build supports format 1."),
+        (without("old_inventory"), f"{INCOMPLETE} Missing: old_inventory."),
+        (edited(published=True), f"{INCOMPLETE} Unknown: published."),
+        (edited(format_version=2), "Restore journal format 2 was written by a newer Keel build; this build supports format 1."),
+        (edited(format_version=0), "Unsupported restore journal format 0; this build supports format 1."),
         (edited(format_version=1.0), "Unsupported restore journal format 1.0"),
         (edited(transaction_id="not-hex"), "Restore journal has an invalid transaction id."),
         (edited(phase="half-done"), "Restore journal has an invalid phase: 'half-done'"),
@@ -417,7 +419,8 @@ def test_one_server_holds_a_state_directory_and_a_second_is_told_so(tmp_path: Pa
 
 def test_hold_state_dir_refuses_planted_incomplete_journal(tmp_path: Path) -> None:
     (tmp_path / JOURNAL_NAME).write_text('{"phase":"prepared"}')
-    with pytest.raises(RecoveryError, match=r"^Restore journal is incomplete or has unsupported fields\. Recovery left .* as it was\."):
+    incomplete = r"^Restore journal is incomplete or has unsupported fields\. Missing: .*\. Recovery left .* as it was\."
+    with pytest.raises(RecoveryError, match=incomplete):
         hold_state_dir(tmp_path)
     with exclusive_use(tmp_path):
         pass  # the refusal left no lock behind

@@ -184,7 +184,8 @@ def test_snapshot_refuses_a_backup_root_inside_the_state_dir(state_dir: Path) ->
 
 def test_snapshot_runs_recovery_first_and_refuses_unaccountable_state(state_dir: Path) -> None:
     (state_dir / ".restore-journal.json").write_text('{"phase":"prepared"}')
-    with pytest.raises(RecoveryError, match=r"^Restore journal is incomplete or has unsupported fields\. Recovery left .* as it was\."):
+    incomplete = r"^Restore journal is incomplete or has unsupported fields\. Missing: .*\. Recovery left .* as it was\."
+    with pytest.raises(RecoveryError, match=incomplete):
         snap(state_dir)
     assert not (state_dir.parent / "backups").exists()
 

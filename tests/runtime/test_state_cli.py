@@ -31,7 +31,10 @@ from tests.persistence.state_helpers import (
     wait_for_line,
 )
 
-INCOMPLETE = "Restore journal is incomplete or has unsupported fields."
+INCOMPLETE = (
+    "Restore journal is incomplete or has unsupported fields. Missing: format_version, new_inventory, old_inventory,"
+    " quarantine_dir, staging_dir, transaction_id."
+)
 
 
 def keel(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
