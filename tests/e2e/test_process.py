@@ -24,6 +24,7 @@ from fake_model import Call, FakeModel, Reply
 from persistence.journal import JOURNAL_NAME
 from persistence.statedir import GENERATION_LOCK_NAME
 from tests.e2e.harness import (
+    SERVING,
     STARTUP_DEADLINE_S,
     KeelProcess,
     child_env,
@@ -95,9 +96,11 @@ async def test_a_new_task_in_the_same_context_after_a_restart_continues_the_conv
     assert seen == ["Capital of France?", "Paris.", "And its population?"]
 
 
-async def killed_mid_answer(client: httpx.AsyncClient, state: Path, fake_model: FakeModel) -> str:
-    """A server killed (SIGKILL) while the model streams a slow answer; the id of the task it
-    leaves WORKING. The model's next answers are "The resumed answer."."""
+async def killed_mid_answer(
+    client: httpx.AsyncClient, state: Path, fake_model: FakeModel, sig: signal.Signals = signal.SIGKILL
+) -> str:
+    """A server killed (SIGKILL, or ``sig``) while the model streams a slow answer; the id of the
+    task it leaves WORKING. The model's next answers are "The resumed answer."."""
     fake_model.script = [Reply(text="a slow answer that never finishes " * 4, chunk_chars=2, gap_s=0.2)]
     fake_model.default = Reply(text="The resumed answer.")
     async with keel_process(state, fake_model.base_url) as keel:
@@ -110,7 +113,7 @@ async def killed_mid_answer(client: httpx.AsyncClient, state: Path, fake_model: 
         with trio.fail_after(30):
             while not fake_model.bodies:
                 await trio.sleep(0.02)
-        assert await keel.kill() == -9
+        assert await keel.terminate(sig) == -sig
     assert stored_task(state, task_id)[0] == "TASK_STATE_WORKING"  # type: ignore[index]
     return task_id
 
@@ -132,6 +135,71 @@ async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(t
             await keel.terminate()
     # The step in flight was redone from the saved transcript: the same question, asked again.
     assert [m.get("content") for m in fake_model.bodies[-1]["messages"] if m["role"] == "user"] == ["Tell me slowly."]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGHUP], ids=["SIGQUIT", "SIGHUP"])
+async def test_sigquit_or_sighup_ends_serve_at_once_as_a_crash_does_and_the_next_process_resumes_the_task(
+    tmp_path: Path, fake_model: FakeModel, sig: signal.Signals
+) -> None:
+    # Ctrl-\ (SIGQUIT) is how the README's demo crashes the server by hand; a closed terminal sends SIGHUP.
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        task_id = await killed_mid_answer(client, state, fake_model, sig)
+        async with keel_process(state, fake_model.base_url) as keel:
+            assert await wait_stored_state(state, task_id, ["TASK_STATE_COMPLETED"]) == "TASK_STATE_COMPLETED"
+            got = await rpc(client, keel.url, "GetTask", {"id": task_id})
+            assert got["result"]["artifacts"][0]["parts"] == [{"text": "The resumed answer."}]
+            assert await keel.terminate() == 0
+        assert f"resuming task {task_id} left working by a process that stopped" in keel.output.decode()
+
+
+async def test_serve_writes_only_the_line_saying_where_it_serves_on_stdout(tmp_path: Path, fake_model: FakeModel) -> None:
+    fake_model.default = Reply(text="Hello.")
+    command = serve_command(tmp_path / "state", fake_model.base_url)
+    process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=child_env())
+    said = b""
+    assert process.stdout is not None
+    try:
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            while b"\n" not in said:
+                said += await process.stdout.receive_some(65536)
+            serving = SERVING.search(said)
+            assert serving, said
+            url = serving.group(1).decode()
+            async with httpx.AsyncClient(timeout=30) as client:
+                answered = await rpc(client, url, "SendMessage", {"message": user_message("Hi")})
+                assert answered["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+            process.send_signal(signal.SIGTERM)
+            async for chunk in process.stdout:
+                said += chunk
+            assert await process.wait() == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        with trio.move_on_after(10, shield=True):
+            await process.wait()
+    assert said.decode().splitlines() == [f"keel serving A2A at {url} (state in {tmp_path / 'state'})"]
+
+
+async def test_a_message_that_failed_while_no_model_was_there_gets_that_task_back_once_the_model_is_there(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    with socket.socket() as unused:  # a port nothing listens on: no model server there
+        unused.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{unused.getsockname()[1]}/v1"
+    state = tmp_path / "state"
+    question = user_message("Hi")
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, nowhere) as keel:
+            failed = (await rpc(client, keel.url, "SendMessage", {"message": question}))["result"]["task"]
+            assert failed["status"]["state"] == "TASK_STATE_FAILED"
+            assert await keel.terminate() == 0
+        async with keel_process(state, fake_model.base_url) as keel:
+            again = (await rpc(client, keel.url, "SendMessage", {"message": question}))["result"]["task"]
+            assert (again["id"], again["status"]) == (failed["id"], failed["status"])
+            assert (await rpc(client, keel.url, "ListTasks", {}))["result"]["totalSize"] == 1
+            assert await keel.terminate() == 0
+    assert fake_model.bodies == []  # no second run: the model was not asked
 
 
 async def test_the_served_agent_card_says_what_the_agent_reads_and_where_it_listens(tmp_path: Path, fake_model: FakeModel) -> None:

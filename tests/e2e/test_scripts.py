@@ -14,7 +14,7 @@ import httpx
 import trio
 
 from fake_model import FakeModel
-from tests.e2e.harness import STARTUP_DEADLINE_S, started_keel
+from tests.e2e.harness import STARTUP_DEADLINE_S, keel_process, rpc, started_keel, user_message
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
@@ -102,3 +102,44 @@ async def test_the_fake_model_server_run_for_a_demo_does_not_grow_with_every_req
         process.kill()
         with trio.move_on_after(STARTUP_DEADLINE_S, shield=True):
             await process.wait()
+
+
+async def test_scripts_serve_help_prints_the_options_and_makes_nothing(tmp_path: Path) -> None:
+    # The README's first demo line, run where .venv is ready: it must not make a state directory.
+    with trio.fail_after(STARTUP_DEADLINE_S):
+        helped = await trio.run_process([str(ROOT / "scripts" / "serve"), "--help"], cwd=tmp_path, capture_stdout=True)
+    assert helped.stdout.decode().startswith("usage: python -m runtime serve ")
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_the_readme_demo_steers_then_cancels_a_slow_reply_from_the_fake_model_script(tmp_path: Path) -> None:
+    reply = "Hello from the fake model."
+    command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0", "--reply", reply, "--gap-s", "0.2"]
+    model = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    said = b""
+    assert model.stdout is not None
+    try:
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            while b"serving http://" not in said:
+                said += await model.stdout.receive_some(65536)
+        model_url = said.split(b"serving ")[1].split()[0].decode()
+        async with keel_process(tmp_path / "state", model_url) as keel, httpx.AsyncClient(timeout=30) as client:
+            at_once = {"returnImmediately": True}
+            sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("Count to ten"), "configuration": at_once})
+            task_id = sent["result"]["task"]["id"]
+            steer = user_message("In French, please", task_id=task_id)
+            steered = (await rpc(client, keel.url, "SendMessage", {"message": steer, "configuration": at_once}))["result"]["task"]
+            assert steered["status"]["state"] == "TASK_STATE_WORKING"
+            assert [m["parts"][0]["text"] for m in steered["history"]] == ["Count to ten", "In French, please"]
+            with trio.fail_after(STARTUP_DEADLINE_S):  # part of the answer streams meanwhile
+                while not (await rpc(client, keel.url, "GetTask", {"id": task_id}))["result"].get("artifacts"):
+                    await trio.sleep(0.05)
+            canceled = (await rpc(client, keel.url, "CancelTask", {"id": task_id}))["result"]
+            assert await keel.terminate() == 0
+        assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+        partial = canceled["artifacts"][0]["parts"][0]["text"]
+        assert partial and reply.startswith(partial) and partial != reply, partial
+    finally:
+        model.kill()
+        with trio.move_on_after(STARTUP_DEADLINE_S, shield=True):
+            await model.wait()
