@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import json.scanner
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -25,10 +27,33 @@ _STRICT = json.JSONDecoder(parse_constant=_reject_constant)
 _scan_once = json.scanner.make_scanner(_STRICT)  # type: ignore[arg-type]
 
 
-def strict_json(text: str) -> object:
-    """``text`` as one strict JSON value (no NaN or Infinity); ValueError if it is not one
-    (RecursionError if it is nested deeper than Python reads)."""
-    return _STRICT.decode(text)
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text} is too large to be read as a number")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        twice = next(key for key, count in collections.Counter(key for key, _ in pairs).items() if count > 1)
+        raise ValueError(f"the key {twice!r} is given twice")
+    return value
+
+
+# What a model wrote is read back by other servers: 1e309 is infinity here, and refused by Go's
+# decoder (Ollama's); a key given twice is its last value here, and may be its first elsewhere.
+_FINITE = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+_UNIQUE = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite, object_pairs_hook=_unique_keys)
+
+
+def strict_json(text: str, *, unique_keys: bool = False) -> object:
+    """``text`` as one strict JSON value: no NaN or Infinity, no number too large for a float,
+    and with ``unique_keys`` no key twice in an object. json.JSONDecodeError if it is not JSON,
+    ValueError if it is but breaks those rules (RecursionError if it is nested deeper than
+    Python reads)."""
+    return (_UNIQUE if unique_keys else _FINITE).decode(text)
 
 
 def is_json(text: str) -> bool:

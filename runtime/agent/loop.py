@@ -26,13 +26,14 @@ from runtime.agent.errors import (
 )
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
 from runtime.agent.steers import SteerBox, labelled_after_steers, steer_message
-from runtime.agent.tools import Tool, call_tool
+from runtime.agent.tools import Outcome, Tool, call_tool
 from runtime.models import ChatRequest, Completion, Delta, ToolCallDelta, ToolSpec, Usage
 from runtime.models import TextDelta as ModelText
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_CALLS = 12
+DEFAULT_MAX_CALLS_PER_ANSWER = 32  # with each tool's timeout, bounds how long one step's tools may take
 STORE_TIMEOUT_S = 30.0  # bound on the shielded take-and-save before a request; a slower store has failed
 CLEANUP_TIMEOUT_S = 5.0  # bound on the shielded save of a partial answer as the run ends
 _SAVING = "saving the transcript"
@@ -68,7 +69,9 @@ class AgentSpec:
     """What an agent is: its prompt, its tools, and the limits of one turn.
 
     ``max_model_calls`` is the turn's budget, continuations included; ``max_steps`` bounds the
-    requests of one round (a continuation starts a new round). ``steer_continuations`` is how
+    requests of one round (a continuation starts a new round). ``max_calls_per_answer`` bounds the
+    tool calls of one answer that are run: each later one is answered with an error saying so,
+    so that one answer's calls take at most that many tool timeouts. ``steer_continuations`` is how
     many extra rounds a turn may take for steers that arrived while its answer was being written
     (a run given a SteerGate takes as many as its budget allows).
     """
@@ -77,6 +80,7 @@ class AgentSpec:
     tools: tuple[Tool, ...] = attrs.field(default=(), converter=_tools)
     max_steps: int = attrs.field(default=DEFAULT_MAX_MODEL_CALLS, validator=attrs.validators.ge(1))
     max_model_calls: int = attrs.field(default=DEFAULT_MAX_MODEL_CALLS, validator=attrs.validators.ge(1))
+    max_calls_per_answer: int = attrs.field(default=DEFAULT_MAX_CALLS_PER_ANSWER, validator=attrs.validators.ge(1))
     steer_continuations: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     temperature: float | None = None
 
@@ -404,9 +408,14 @@ class AgentRun:
 
     async def _call_tools(self, tools: dict[str, Tool], calls: Sequence[ToolCall]) -> None:
         task_id = self.session.task_id if self.session else None
-        for call in calls:
+        limit = self.spec.max_calls_per_answer
+        for index, call in enumerate(calls):
             self.on_event(ToolCalled(call))
-            outcome = await call_tool(tools, call, task_id=task_id)
+            if index < limit:
+                outcome = await call_tool(tools, call, task_id=task_id)
+            else:  # every call is answered: a transcript with a call and no result cannot be sent
+                why = f"one answer may make at most {limit} tool calls; make the rest in your next answer"
+                outcome = Outcome(f"error: {call.name} was not run: {why}", True)
             result = _fitted(Message(role="tool", text=outcome.text, tool_call_id=call.id, name=call.name), self._max_message_bytes)
             self.messages.append(result)
             self.on_event(ToolResult(call.id, call.name, result.text, outcome.is_error))

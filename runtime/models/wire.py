@@ -88,7 +88,8 @@ def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:
 
 def wire_arguments(arguments: str) -> str:
     """A call's arguments as they are sent back with it: the model's text, unchanged, when it is
-    a JSON object; otherwise a JSON object the server can read.
+    a JSON object a server can read back (not one holding 1e309, say: see strict_json); otherwise
+    a JSON object the server can read.
 
     Servers read the arguments of the calls in a transcript back as an object (Ollama decodes
     them into a map, vLLM hands them to the chat template), and refuse the whole request when

@@ -3,8 +3,10 @@ the model through the loop."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from tests.runtime.agent_support import (
     sent_messages,
     stored_messages,
 )
+from tests.runtime.served import serve_keel
 
 ALERT_SCHEMA = {
     "type": "object",
@@ -362,3 +365,179 @@ async def test_a_tool_output_larger_than_a_message_may_be_is_cut_short_saying_so
     assert 4096 - 100 < cut.stored_bytes() <= 4096
     # The model read what was kept, and the note.
     assert [m["content"] for m in sent_messages(fake_model.bodies[1]) if m["role"] == "tool"] == [cut.text]
+
+
+# -- schemas: every keyword a tool's schema uses is one its calls are checked against --------------
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"minutes": 0, "ratio": 1, "tags": ["db"], "owner": "ops"}, None),
+        ({"minutes": -5}, "arguments.minutes must be at least 0"),
+        ({"minutes": 1441}, "arguments.minutes must be at most 1440"),
+        ({"ratio": 0}, "arguments.ratio must be more than 0"),
+        ({"ratio": 1.5}, "arguments.ratio must be less than 1.5"),
+        ({"tags": []}, "arguments.tags must hold at least 1 item"),
+        ({"tags": ["a", "b", "c", "d"]}, "arguments.tags must hold at most 3 items"),
+        ({"tags": [""]}, "arguments.tags[0] must be at least 1 character long"),
+        ({"tags": ["x" * 33]}, "arguments.tags[0] must be at most 32 characters long"),
+        ({"owner": 7}, "arguments.owner must be string, not integer"),
+    ],
+)
+def test_schema_problem_checks_bounds_and_the_schema_of_other_fields(value: Any, problem: str | None) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "minutes": {"type": "integer", "minimum": 0, "maximum": 1440},
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1.5},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1, "maxLength": 32},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+        },
+        "additionalProperties": {"type": "string"},
+    }
+    make_tool("alert", lookup_tool().invoke, parameters=schema)  # a schema its calls are checked against in full
+    assert schema_problem(schema, value, "arguments") == problem
+
+
+def team(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"team": schema}}
+
+
+@pytest.mark.parametrize(
+    ("parameters", "mistake"),
+    [
+        (team({"anyOf": [{"type": "string"}, {"type": "null"}]}), "'anyOf' (at parameters.properties.team) is not checked"),
+        (team({"oneOf": [{"type": "string"}]}), "'oneOf' (at parameters.properties.team)"),
+        (team({"$ref": "#/$defs/Team"}), "'$ref' (at parameters.properties.team)"),
+        (team({"type": "string", "nullable": True}), "'nullable' (at parameters.properties.team)"),
+        (team({"type": "string", "format": "date-time"}), "'format' (at parameters.properties.team)"),
+        (team({"type": "string", "pattern": "^[a-z]+$"}), "'pattern' (at parameters.properties.team)"),
+        (team({"type": "array", "uniqueItems": True}), "'uniqueItems' (at parameters.properties.team)"),
+        (team({"type": "int"}), "parameters.properties.team.type is 'int', which is not a JSON schema type"),
+        ({**team({"type": "string"}), "required": "team"}, "parameters.required must be a list of names"),
+        (team({"type": "array", "items": [{"type": "string"}]}), "parameters.properties.team.items must be a schema"),
+        (team({"type": "number", "minimum": "0"}), "parameters.properties.team.minimum must be a number"),
+    ],
+)
+def test_a_schema_its_calls_would_not_be_checked_against_is_refused_when_the_tool_is_made(
+    parameters: dict[str, Any], mistake: str
+) -> None:
+    # Otherwise a call breaking the rule would reach the tool as if it had been checked.
+    with pytest.raises(ValueError, match=re.escape(mistake)) as refused:
+        make_tool("page", lookup_tool().invoke, parameters=parameters)
+    assert str(refused.value).startswith("tool 'page': ")
+
+
+async def test_a_call_outside_its_schemas_bounds_goes_back_to_the_model_and_the_tool_is_not_run(fake_model: FakeModel) -> None:
+    calls: list[dict[str, Any]] = []
+    minutes = {"type": "integer", "minimum": 1, "maximum": 60}
+    schema = {"type": "object", "properties": {"minutes": minutes}, "required": ["minutes"]}
+    snooze = make_tool("snooze", lookup_tool(calls).invoke, parameters=schema)
+    fake_model.script = [
+        Reply(tool_calls=[Call("snooze", '{"minutes": -5}'), Call("snooze", '{"minutes": 5}')]),
+        Reply(text="Snoozed for 5 minutes."),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        result = await run_turn(fake_model, AgentSpec(tools=[snooze]), question())
+    results = [message["content"] for message in sent_messages(fake_model.bodies[1]) if message["role"] == "tool"]
+    assert results[0] == "error: snooze was called with bad arguments: arguments.minutes must be at least 1"
+    assert calls == [{"minutes": 5}]
+    assert result.output == "Snoozed for 5 minutes."
+
+
+# -- arguments that are JSON but cannot be taken as the model meant them ---------------------------
+
+
+TWICE = '{"service": "vault", "service": 3}'
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problem", "sent_back"),
+    [
+        (TWICE, "the key 'service' is given twice", TWICE),
+        ('{"service": "vault", "ttl": 1e309}', "the number 1e309 is too large", None),
+        ('{"service": "vault", "ttl": -1e400}', "the number -1e400 is too large", None),
+    ],
+)
+async def test_arguments_json_reads_other_than_the_model_meant_are_a_tool_error_and_the_tool_is_not_run(
+    fake_model: FakeModel, arguments: str, problem: str, sent_back: str | None
+) -> None:
+    # Python reads a key given twice as its last value (another reader may take the first) and
+    # 1e309 as infinity. The call goes back as written, but for 1e309, which Go's decoder
+    # (Ollama's) refuses, failing every later request of the conversation.
+    calls: list[dict[str, Any]] = []
+    open_lookup = make_tool("lookup", lookup_tool(calls).invoke, parameters={"type": "object"})
+    fake_model.script = [Reply(tool_calls=[Call("lookup", arguments)]), Reply(text="Done.")]
+    with trio.fail_after(DEADLINE_S):
+        await run_turn(fake_model, AgentSpec(tools=[open_lookup]), question())
+    [call_message, error] = sent_messages(fake_model.bodies[1])[1:]
+    assert error["content"].startswith(f"error: the arguments of lookup cannot be read ({problem}")
+    assert calls == []
+    [sent] = call_message["tool_calls"]
+    assert sent["function"]["arguments"] == (sent_back or json.dumps({"invalid_arguments": arguments}))
+
+
+# -- a tool that ends more than its call ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ending", "said"),
+    [(SystemExit(2), "it exited with status 2"), (SystemExit(), "it exited"), (GeneratorExit(), "GeneratorExit")],
+)
+async def test_a_tool_that_raises_system_exit_or_generator_exit_is_a_tool_error(ending: BaseException, said: str) -> None:
+    async def cli(_arguments: dict[str, Any]) -> str:
+        raise ending
+
+    outcome = await call_tool({"cli": make_tool("cli", cli)}, ToolCall("call_1", "cli", "{}"))
+    assert (outcome.text, outcome.is_error) == (f"error: cli failed: {said}", True)
+
+
+async def test_a_tool_that_calls_sys_exit_fails_its_call_not_the_server(fake_model: FakeModel, tmp_path: Path) -> None:
+    # argparse exits the process on arguments it cannot parse: a tool wrapping a command's parser
+    # must not take the server, and every task it runs, down with it.
+    async def run_command(arguments: dict[str, Any]) -> str:
+        parser = argparse.ArgumentParser(prog="vaultctl", exit_on_error=False)
+        parser.add_argument("--lease", required=True)
+        return str(parser.parse_args(arguments.get("argv", [])))
+
+    command = make_tool("vaultctl", run_command)
+    fake_model.script = [Reply(tool_calls=[Call("vaultctl", '{"argv": ["renew"]}')]), Reply(text="The command failed.")]
+    fake_model.default = Reply(text="Still serving.")
+    agent = AgentSpec(tools=[command])
+    with trio.fail_after(DEADLINE_S):
+        async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
+            first = await keel.send("Renew the vault lease.")
+            second = await keel.send("Are you there?")
+    assert (first["status"]["state"], second["status"]["state"]) == ("TASK_STATE_COMPLETED", "TASK_STATE_COMPLETED")
+    [error] = [m["content"] for m in sent_messages(fake_model.bodies[1]) if m["role"] == "tool"]
+    assert error == "error: vaultctl failed: it exited with status 2"
+
+
+# -- many calls in one answer ---------------------------------------------------------------------
+
+
+async def test_an_answer_calling_more_tools_than_one_answer_may_runs_the_first_and_tells_the_model(
+    fake_model: FakeModel,
+) -> None:
+    # Each call may take its tool's whole timeout and return a whole message: without a bound on
+    # the calls of one answer, one answer of 1,000 calls would hold the run for hours.
+    calls: list[dict[str, Any]] = []
+    fake_model.script = [
+        Reply(tool_calls=[Call("lookup", f'{{"service": "s{n}"}}') for n in range(1000)], chunk_chars=4096),
+        Reply(text="Looked up the first ones."),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        result = await run_turn(fake_model, AgentSpec(tools=[lookup_tool(calls)]), question())
+    limit = 32  # AgentSpec's default
+    assert calls == [{"service": f"s{n}"} for n in range(limit)]
+    results = [m for m in sent_messages(fake_model.bodies[1]) if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in results] == [f"call_1_{n}" for n in range(1000)]  # every call answered
+    assert results[limit]["content"] == (
+        f"error: lookup was not run: one answer may make at most {limit} tool calls; make the rest in your next answer"
+    )
+    assert result.output == "Looked up the first ones."
