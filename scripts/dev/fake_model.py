@@ -4,7 +4,8 @@ It serves ``POST /v1/chat/completions`` (streamed as server-sent events, or in o
 ``GET /v1/models`` over real HTTP on loopback, with hypercorn on Trio. Each chat request takes
 the next item of ``script``: a ``Reply`` (text and/or tool calls, optionally slow or cut off
 mid-stream) or an ``ErrorReply`` (an HTTP error status with a body). When the script is empty
-the ``default`` item answers; with no default the request gets HTTP 500 saying so. Every request
+the ``default`` item answers; with no default the request gets HTTP 500 saying so. A ``respond``
+function, when given, answers each request from its body instead (a tool call, then the answer). Every request
 is recorded in ``received`` (``bodies`` holds the chat request bodies: what the model saw), unless
 ``record`` is false, as it is standalone.
 
@@ -148,6 +149,8 @@ class FakeModel:
     api_key: str | None = None
     # Refuse, as many chat templates do, a conversation with two user messages in a row.
     alternate_roles: bool = False
+    # When set, each chat request is answered by what this makes of its body, before the script.
+    respond: Callable[[dict[str, Any]], ScriptItem] | None = None
     # Every request is kept in ``received`` for a test to read; run standalone (for a demo, or a
     # load run) it keeps none, so that it does not grow with every request it answers.
     record: bool = True
@@ -223,7 +226,10 @@ class FakeModel:
             message = "Conversation roles must alternate user/assistant/user/assistant/..."
             await _send_json(send, 400, _error(message, "BadRequestError"))
             return
-        item = self.script.pop(0) if self.script else self.default
+        if self.respond is not None:
+            item: ScriptItem | None = self.respond(request)
+        else:
+            item = self.script.pop(0) if self.script else self.default
         exchange = _Exchange()
         self.answering += 1
         self.most_answering = max(self.most_answering, self.answering)
