@@ -54,6 +54,22 @@ def json_value(value: object) -> struct_pb2.Value:
     return json_format.ParseDict(value, struct_pb2.Value())
 
 
+
+async def followed(client: Any, task_id: str, nursery: trio.Nursery) -> list[Any]:
+    """The events of a subscription to the task, in a list that grows as they come (in
+    ``nursery``); returned once the first has come."""
+    seen: list[Any] = []
+
+    async def follow() -> None:
+        async for event in client.subscribe(a2a.SubscribeToTaskRequest(id=task_id)):
+            seen.append(event)
+
+    nursery.start_soon(follow)
+    with trio.fail_after(10):
+        while not seen:
+            await trio.sleep(0.01)
+    return seen
+
 async def test_the_reference_client_sends_gets_and_streams(tmp_path: Path, fake_model: FakeModel) -> None:
     fake_model.default = Reply(text="Hello from Keel.")
     async with running_server(tmp_path / "state", fake_model.base_url) as server:
@@ -102,17 +118,8 @@ async def test_the_reference_client_cancels_and_subscribes(tmp_path: Path, fake_
         assert first[0].task.status.state == a2a.TaskState.TASK_STATE_SUBMITTED
         await gate.wait_entered()
         async with sdk_client(server.url, streaming=True) as client:
-            seen: list[Any] = []
-
-            async def follow() -> None:
-                async for event in client.subscribe(a2a.SubscribeToTaskRequest(id=task_id)):
-                    seen.append(event)
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(follow)
-                with trio.fail_after(10):
-                    while not seen:
-                        await trio.sleep(0.01)
+                seen = await followed(client, task_id, nursery)
                 canceled = await client.cancel_task(a2a.CancelTaskRequest(id=task_id))
             assert canceled.status.state == a2a.TaskState.TASK_STATE_CANCELED
             assert seen[0].task.id == task_id
@@ -191,17 +198,8 @@ async def test_a_task_started_in_one_version_is_steered_followed_and_canceled_in
             [steered] = await drain(client.send_message(ask("and this", task_id=task_id, return_immediately=True)))
         assert [m.parts[0].text for m in steered.task.history] == ["hold", "and this"]
         async with sdk_client(server.url, streaming=True, version=other) as client:
-            seen: list[Any] = []
-
-            async def follow() -> None:
-                async for event in client.subscribe(a2a.SubscribeToTaskRequest(id=task_id)):
-                    seen.append(event)
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(follow)
-                with trio.fail_after(10):
-                    while not seen:
-                        await trio.sleep(0.01)
+                seen = await followed(client, task_id, nursery)
                 async with sdk_client(server.url, streaming=False, version=starter) as canceler:
                     canceled = await canceler.cancel_task(a2a.CancelTaskRequest(id=task_id))
         assert canceled.status.state == a2a.TaskState.TASK_STATE_CANCELED

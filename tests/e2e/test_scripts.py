@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -81,7 +83,23 @@ def resident_kib(pid: int) -> int:
 async def test_the_fake_model_server_run_for_a_demo_does_not_grow_with_every_request() -> None:
     # Run by hand, it answers for as long as the demo (or a load run) goes on: it must not keep
     # every request it was sent, as a test's FakeModel does for the test to read.
-    command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0", "--gap-s", "0"]
+    async with fake_model_script("--gap-s", "0") as (process, url):
+        question = {"model": "qwen3:4b-instruct", "messages": [{"role": "user", "content": "x" * (256 << 10)}]}
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+                await client.post("/chat/completions", json=question)
+                before = resident_kib(process.pid)
+                for _ in range(160):  # 40 MiB of questions
+                    assert (await client.post("/chat/completions", json=question)).status_code == 200
+                grown = resident_kib(process.pid) - before
+    assert grown < 12 << 10, f"the fake model grew by {grown} KiB over 160 requests"
+
+
+@asynccontextmanager
+async def fake_model_script(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
+    """scripts/dev/fake_model.py run as the README runs it, and the base URL it says it serves at;
+    killed on exit."""
+    command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0", *args]
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     said = b""
     assert process.stdout is not None
@@ -89,15 +107,7 @@ async def test_the_fake_model_server_run_for_a_demo_does_not_grow_with_every_req
         with trio.fail_after(STARTUP_DEADLINE_S):
             while b"serving http://" not in said:
                 said += await process.stdout.receive_some(65536)
-            url = said.split(b"serving ")[1].split()[0].decode()
-            question = {"model": "qwen3:4b-instruct", "messages": [{"role": "user", "content": "x" * (256 << 10)}]}
-            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
-                await client.post("/chat/completions", json=question)
-                before = resident_kib(process.pid)
-                for _ in range(160):  # 40 MiB of questions
-                    assert (await client.post("/chat/completions", json=question)).status_code == 200
-                grown = resident_kib(process.pid) - before
-        assert grown < 12 << 10, f"the fake model grew by {grown} KiB over 160 requests"
+        yield process, said.split(b"serving ")[1].split()[0].decode()
     finally:
         process.kill()
         with trio.move_on_after(STARTUP_DEADLINE_S, shield=True):
@@ -114,15 +124,7 @@ async def test_scripts_serve_help_prints_the_options_and_makes_nothing(tmp_path:
 
 async def test_the_readme_demo_steers_then_cancels_a_slow_reply_from_the_fake_model_script(tmp_path: Path) -> None:
     reply = "Hello from the fake model."
-    command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0", "--reply", reply, "--gap-s", "0.2"]
-    model = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    said = b""
-    assert model.stdout is not None
-    try:
-        with trio.fail_after(STARTUP_DEADLINE_S):
-            while b"serving http://" not in said:
-                said += await model.stdout.receive_some(65536)
-        model_url = said.split(b"serving ")[1].split()[0].decode()
+    async with fake_model_script("--reply", reply, "--gap-s", "0.2") as (_, model_url):
         async with keel_process(tmp_path / "state", model_url) as keel, httpx.AsyncClient(timeout=30) as client:
             at_once = {"returnImmediately": True}
             sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("Count to ten"), "configuration": at_once})
@@ -136,10 +138,6 @@ async def test_the_readme_demo_steers_then_cancels_a_slow_reply_from_the_fake_mo
                     await trio.sleep(0.05)
             canceled = (await rpc(client, keel.url, "CancelTask", {"id": task_id}))["result"]
             assert await keel.terminate() == 0
-        assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
-        partial = canceled["artifacts"][0]["parts"][0]["text"]
-        assert partial and reply.startswith(partial) and partial != reply, partial
-    finally:
-        model.kill()
-        with trio.move_on_after(STARTUP_DEADLINE_S, shield=True):
-            await model.wait()
+    assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
+    partial = canceled["artifacts"][0]["parts"][0]["text"]
+    assert partial and reply.startswith(partial) and partial != reply, partial
