@@ -38,7 +38,7 @@ from protocol import (
     UnsupportedOperation,
 )
 from protocol.errors import quoted
-from runtime.agent import AgentError, AgentRun, AgentSpec, Model
+from runtime.agent import AgentError, AgentRun, AgentSpec, BudgetExhausted, MaxStepsReached, Model
 from runtime.endings import (
     CANCELED,
     OVERTAKEN,
@@ -506,6 +506,8 @@ class Runner:
                     result = await run.run()
                 except (AgentError, ModelError) as exc:
                     self._say_failed(task, exc)
+                    if isinstance(exc, (BudgetExhausted, MaxStepsReached)):  # the model was still calling tools
+                        live.drop_answer()
                     return settle(TaskState.FAILED, f"The task failed: {exc}")
         return completed(live, result.output)
 

@@ -365,6 +365,15 @@ class LiveTask:
         now is another answer, which replaces what the artifact holds rather than run on from it."""
         self._replace_answer = True
 
+    def drop_answer(self) -> None:
+        """The run ends with no answer begun (the model was still calling tools when the turn's
+        limit ran out): the text streamed before those calls is no answer, and is dropped, its
+        streams sent an empty answer in its place, so that neither they nor GetTask take it for one."""
+        if self._answer_frozen or not self._answer.tell():
+            return
+        self._answer = io.StringIO()
+        self.publish(self._answer_update("", append=False))
+
     def freeze_answer(self) -> None:
         """The answer stops here (a cancel): what the run says after this is sent to no one."""
         self._answer_frozen = True

@@ -74,7 +74,7 @@ class AnswerFailed(AgentError):
 class AnswerEmpty(AgentError):
     def __init__(self) -> None:
         super().__init__(
-            "the model's answer held no text (nothing, or only white space) and called no tool; "
+            "the model's answer held no text (nothing, only white space, or only its reasoning) and called no tool; "
             "send the message again, with a new messageId"
         )
 

@@ -14,9 +14,11 @@ import attrs
 
 from persistence.transcript import Message, ToolCall
 from runtime.models.errors import ModelBadResponse
+from runtime.models.reasoning import ThinkFilter
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
 from runtime.models.wire import (
-    SAID_CHARS, arguments_text, content_text, inferred_finish_reason, optional_str, parse_usage, tool_call, unicode_text,
+    SAID_CHARS, arguments_text, content_text, distinct_ids, inferred_finish_reason, optional_str, parse_usage, tool_call,
+    unicode_text,
 )
 
 
@@ -46,6 +48,7 @@ class StreamAssembler:
     _data_chars: int = attrs.field(init=False, default=0)
     _text: list[str] = attrs.field(init=False, factory=list)
     _held: str = attrs.field(init=False, default="")  # a surrogate that ended the last text, awaiting its pair
+    _think: ThinkFilter = attrs.field(init=False, factory=ThinkFilter)  # reasoning opening the text is not the answer
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
     _moved: dict[int, int] = attrs.field(init=False, factory=dict)  # a server's call index, to the call it now leads to
     _finish_reason: str = attrs.field(init=False, default="")
@@ -120,7 +123,7 @@ class StreamAssembler:
         return Message(role="assistant", text=text, tool_calls=calls, partial=partial)
 
     def _tool_calls(self) -> tuple[ToolCall, ...]:
-        return tuple(
+        return distinct_ids(
             tool_call(index, parts.id, parts.name, "".join(parts.arguments)) for index, parts in sorted(self._calls.items())
         )
 
@@ -180,10 +183,8 @@ class StreamAssembler:
         delta = choice.get("delta") or {}
         if not isinstance(delta, dict):
             raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
-        text = self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content"))
-        if text:
-            self._text.append(text)
-            deltas.append(TextDelta(text))
+        text = self._think.feed(self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content")))
+        deltas.extend(self._said(text))
         calls = delta.get("tool_calls") or []
         if not isinstance(calls, list):
             raise ModelBadResponse(self.model, "a chunk's tool calls are not a list")
@@ -245,10 +246,17 @@ class StreamAssembler:
             return max(self._calls)
         return max(self._calls, default=-1) + 1
 
+    def _said(self, text: str) -> list[Delta]:
+        if not text:
+            return []
+        self._text.append(text)
+        return [TextDelta(text)]
+
     def _finish(self, reason: str) -> list[Delta]:
-        """Called once: the assembled calls, then Finish. A finish_reason is never empty after it."""
+        """Called once: the text held back (see ThinkFilter), the assembled calls, then Finish.
+        A finish_reason is never empty after it."""
         self._finish_reason = reason
         for index, parts in sorted(self._calls.items()):
             if not parts.name:  # named by its place, not by its id: the id is the server's words
                 raise ModelBadResponse(self.model, f"tool call {index} has no name")
-        return [*self._tool_calls(), Finish(reason)]
+        return [*self._said(self._think.end()), *self._tool_calls(), Finish(reason)]

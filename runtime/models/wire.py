@@ -10,11 +10,15 @@ are not a JSON object (see ``wire_arguments``), which servers refuse to read bac
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
+
+import attrs
 
 from persistence.transcript import Message, ToolCall
 from persistence.validate import lone_surrogate, strict_json
 from runtime.models.errors import ModelBadResponse
+from runtime.models.reasoning import answer_text
 from runtime.models.values import ChatRequest, Completion, ToolSpec, Usage
 
 # What is kept of what a server said (an error, a chunk that is not JSON), for the log: more
@@ -129,11 +133,11 @@ def parse_completion(data: object, *, model: str) -> Completion:
     message = choices[0].get("message")
     if not isinstance(message, dict):
         raise ModelBadResponse(model, "the first choice has no message")
-    text = unicode_text(content_text(message.get("content"), model=model, what="the message content"))
+    text = answer_text(unicode_text(content_text(message.get("content"), model=model, what="the message content")))
     wire_calls = message.get("tool_calls") or []
     if not isinstance(wire_calls, list):
         raise ModelBadResponse(model, "the message's tool calls are not a list")
-    calls = tuple(tool_call_from_wire(index, call, model=model) for index, call in enumerate(wire_calls))
+    calls = distinct_ids(tool_call_from_wire(index, call, model=model) for index, call in enumerate(wire_calls))
     reason = optional_str(choices[0].get("finish_reason"), model=model, what="the finish reason")
     return Completion(
         message=Message(role="assistant", text=text, tool_calls=calls),
@@ -158,6 +162,23 @@ def tool_call(index: int, call_id: str, name: str, arguments: str) -> ToolCall:
     return ToolCall(
         id=unicode_text(call_id) or synthetic_call_id(index), name=unicode_text(name), arguments=unicode_text(arguments)
     )
+
+
+def distinct_ids(calls: Iterable[ToolCall]) -> tuple[ToolCall, ...]:
+    """``calls``, each with an id no other call of the answer has: a call whose id an earlier one
+    took gets that id with ``_2`` (``_3``...) after it. Each call is run and answered; its result
+    names the call it answers, and a request whose calls share an id cannot say which result is
+    whose (servers that check ids refuse it)."""
+    taken: set[str] = set()
+    distinct = []
+    for call in calls:
+        call_id, count = call.id, 1
+        while call_id in taken:
+            count += 1
+            call_id = f"{call.id}_{count}"
+        taken.add(call_id)
+        distinct.append(call if call_id == call.id else attrs.evolve(call, id=call_id))
+    return tuple(distinct)
 
 
 def unicode_text(text: str) -> str:

@@ -1,0 +1,157 @@
+"""What a run takes as its answer from what a model server sends, through a real server on loopback
+and the fake model over real HTTP: reasoning in the content, tool calls that share an id, and a
+turn that spends its budget on tools."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_model import Call, FakeModel, Reply
+
+from persistence.transcript import ToolCall
+from runtime.agent import AgentSpec
+from runtime.models.reasoning import ThinkFilter
+from runtime.models.wire import distinct_ids
+from tests.runtime.agent_support import lookup_tool, sent_messages, stored_messages
+from tests.runtime.served import Served, message, serve_keel
+
+# As Ollama, vLLM and llama.cpp's server send a thinking model's answer (qwen3, deepseek-r1) when
+# they are run without a reasoning parser: the reasoning opens the content, in a <think> block.
+THINKING = "<think>\nThe user asks about the lease. It expired, 25h after its renewal.\n</think>\n\n"
+ANSWER = "The lease expired."
+VAULT, DNS = '{"service": "vault"}', '{"service": "dns"}'
+
+
+async def streamed(keel: Served, text: str, **ids: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The task a streamed send ends with, as GetTask then has it, and the answer artifact's updates."""
+    async with keel.stream("SendStreamingMessage", {"message": message(text, **ids)}) as events:
+        frames = [frame["result"] for frame in await events.rest()]
+    task_id = frames[0]["task"]["id"]
+    updates = [frame["artifactUpdate"] for frame in frames if "artifactUpdate" in frame]
+    return await keel.result("GetTask", {"id": task_id}), updates
+
+
+def put_together(updates: list[dict[str, Any]]) -> str:
+    """The answer a client builds from its stream's artifact updates (append, or replace)."""
+    text = ""
+    for update in updates:
+        piece = "".join(part["text"] for part in update["artifact"]["parts"])
+        text = text + piece if update.get("append") else piece
+    return text
+
+
+def artifact_texts(task: dict[str, Any]) -> list[str]:
+    return ["".join(part["text"] for part in artifact["parts"]) for artifact in task.get("artifacts", [])]
+
+
+@pytest.mark.parametrize("chunk_chars", [1, 3, 4, 1000], ids=["char-by-char", "tags-split", "chunks-of-4", "one-chunk"])
+async def test_a_think_block_opening_the_content_is_neither_streamed_nor_the_answer_nor_sent_back(
+    keel: Served, chunk_chars: int
+) -> None:
+    keel.model.script = [Reply(text=THINKING + ANSWER, chunk_chars=chunk_chars), Reply(text="Renew it weekly.")]
+    task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert artifact_texts(task) == [ANSWER]
+    assert all("think" not in part["text"] for update in updates for part in update["artifact"]["parts"]), updates
+    assert put_together(updates) == ANSWER
+    await keel.send("How do I stop it?", contextId=task["contextId"])
+    assert [m["content"] for m in sent_messages(keel.model.bodies[1]) if m["role"] == "assistant"] == [ANSWER]
+
+
+async def test_a_think_block_in_an_answer_sent_in_one_body_is_not_the_answer(keel: Served) -> None:
+    # A server (or a proxy) that answers in one JSON body even when asked to stream.
+    keel.model.script = [Reply(text=THINKING + ANSWER, ignore_stream=True)]
+    task = await keel.send("Why did the vault lease expire?")
+    assert (task["status"]["state"], artifact_texts(task)) == ("TASK_STATE_COMPLETED", [ANSWER])
+
+
+async def test_an_answer_canceled_after_its_think_block_keeps_only_the_answer_so_far(keel: Served) -> None:
+    keel.model.script = [Reply(text=THINKING + "The lease", chunk_chars=1000, hang_after_chunks=2), Reply(text="Sure.")]
+    async with keel.stream("SendStreamingMessage", {"message": message("Why did the vault lease expire?")}) as events:
+        while "artifactUpdate" not in (frame := await events.next() or {"result": {}})["result"]:
+            assert not events.ended
+        canceled = await keel.result("CancelTask", {"id": frame["result"]["artifactUpdate"]["taskId"]})
+    assert (canceled["status"]["state"], artifact_texts(canceled)) == ("TASK_STATE_CANCELED", ["The lease"])
+    await keel.send("Go on.", contextId=canceled["contextId"])  # its turn begins once the canceled run has saved
+    stored = await stored_messages(keel.state_dir / "runtime.db", canceled["contextId"])
+    assert [(m.text, m.partial) for m in stored if m.role == "assistant"] == [("The lease", True), ("Sure.", False)]
+
+
+async def test_an_answer_that_ends_inside_its_think_block_fails_and_streams_none_of_it(keel: Served) -> None:
+    keel.model.script = [Reply(text="<think>\nThe user asks about the lease. Maybe", chunk_chars=3)]
+    task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    reason = task["status"]["message"]["parts"][0]["text"]
+    assert "held no text" in reason and "reasoning" in reason, reason
+    assert (updates, artifact_texts(task)) == ([], [])
+
+
+async def test_think_tags_the_answer_writes_after_its_start_are_the_answers(keel: Served) -> None:
+    text = "Wrap it as <think>...</think>, as qwen3 does."
+    keel.model.script = [Reply(text=text, chunk_chars=3)]
+    task = await keel.send("How does qwen3 mark its reasoning?")
+    assert artifact_texts(task) == [text]
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        (THINKING + ANSWER, ANSWER),
+        (" \n<think>x</think>" + ANSWER, ANSWER),
+        ("<think></think>" + ANSWER, ANSWER),
+        ("<think>only reasoning", ""),
+        ("<think>", ""),
+        ("<b>" + ANSWER, "<b>" + ANSWER),
+        ("<thinking>" + ANSWER, "<thinking>" + ANSWER),
+        ("\n" + ANSWER, "\n" + ANSWER),
+        ("<thi", "<thi"),
+    ],
+)
+def test_the_answer_in_a_text_is_the_same_wherever_its_pieces_are_cut(text: str, answer: str) -> None:
+    for cut in range(len(text) + 1):
+        think = ThinkFilter()
+        assert think.feed(text[:cut]) + think.feed(text[cut:]) + think.end() == answer, cut
+    think = ThinkFilter()
+    assert "".join(map(think.feed, text)) + think.end() == answer
+
+
+@pytest.mark.parametrize("ignore_stream", [False, True], ids=["streamed", "one-body"])
+async def test_calls_an_answer_gives_one_id_each_run_and_go_back_with_ids_of_their_own(
+    fake_model: FakeModel, tmp_path: Path, ignore_stream: bool
+) -> None:
+    calls: list[dict[str, Any]] = []
+    fake_model.script = [
+        Reply(tool_calls=[Call("lookup", VAULT, id="call_7"), Call("lookup", DNS, id="call_7")], ignore_stream=ignore_stream),
+        Reply(text="Both leases expired."),
+    ]
+    async with serve_keel(tmp_path / "state", fake_model, agent=AgentSpec(tools=[lookup_tool(calls)])) as keel:
+        task = await keel.send("Why did the leases expire?")
+    assert (task["status"]["state"], calls) == ("TASK_STATE_COMPLETED", [{"service": "vault"}, {"service": "dns"}])
+    sent = sent_messages(fake_model.bodies[1])
+    called = [call["id"] for call in sent[1]["tool_calls"]]
+    answered = [m["tool_call_id"] for m in sent if m["role"] == "tool"]
+    assert called[0] == "call_7" and len(set(called)) == 2, called
+    assert answered == called
+
+
+def test_ids_made_distinct_are_distinct_from_every_id_the_answer_gives() -> None:
+    calls = [ToolCall("call_7", "lookup"), ToolCall("call_7", "lookup"), ToolCall("call_7_2", "lookup"), ToolCall("x", "lookup")]
+    assert [call.id for call in distinct_ids(calls)] == ["call_7", "call_7_2", "call_7_2_2", "x"]
+
+
+async def test_a_turn_that_spends_its_budget_on_tools_fails_naming_it_and_keeps_no_answer(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    fake_model.default = Reply(text="Let me look that up.", tool_calls=[Call("lookup", VAULT)])
+    agent = AgentSpec(tools=[lookup_tool()], max_model_calls=2)
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
+        task, updates = await streamed(keel, "Why did the vault lease expire?")
+        assert len(fake_model.bodies) == 2
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    reason = task["status"]["message"]["parts"][0]["text"]
+    assert "budget exhausted" in reason and "2 model calls" in reason and "AGENT_MAX_MODEL_CALLS" in reason, reason
+    # The text before a tool call is not an answer: neither the task nor its streams keep it as one.
+    assert "Let me look that up." not in artifact_texts(task), task
+    assert put_together(updates) == ""
