@@ -172,7 +172,7 @@ class TaskStore(Protocol):
         """A new task at version 1. ``message_id``: the id of the message that starts it, which
         starts no other task of this owner (MessageTaken names the one it did start).
         ``updated_at_ms``: the time of its state (its status timestamp), which ``list`` orders
-        and filters by; now, by default."""
+        and filters by, and of its making, which ``unfinished`` orders by; now, by default."""
         ...
 
     async def get(self, owner: str, task_id: str) -> TaskRecord: ...

@@ -10,6 +10,7 @@ StoreError
 ├── TaskNotFound         no such task for this owner
 ├── VersionConflict      update() with a stale version
 ├── InvalidPage          a page size or page token that cannot be used
+│   └── PageOfOtherListing   a page token sent with filters other than those it was given with
 ├── SchemaError          a database file whose schema this build cannot use
 ├── DatabaseFailed       SQLite failed (disk full, I/O error, locked too long); the call wrote nothing
 │   └── DatabaseBusy     opening: another program held the file past the busy timeout
@@ -18,7 +19,7 @@ StoreError
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 
@@ -102,6 +103,18 @@ class VersionConflict(StoreError):
 
 class InvalidPage(StoreError):
     pass
+
+
+class PageOfOtherListing(InvalidPage):
+    """A page token sent with other filters than the listing it was given for: it would start that
+    listing after a task of another, a page silently wrong."""
+
+    def __init__(self, token: str, changed: Sequence[str]) -> None:
+        self.changed = tuple(changed)  # the filters (``list``'s argument names) that differ
+        super().__init__(
+            f"page token {token[:40]!r} was given for a listing with another {' and '.join(changed)}; list with the"
+            " filters it was given with, or with no token from the first page"
+        )
 
 
 class SchemaError(StoreError):

@@ -256,10 +256,10 @@ class MemoryTaskStore(_Closable):
             raise TaskExists(task_id)
         if message_id is not None:
             self.started_by_message[owner, message_id] = task_id
-        now = now_ms()
+        at = now_ms() if updated_at_ms is None else updated_at_ms  # its first status: when it was made
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
-            created_at_ms=now, updated_at_ms=now if updated_at_ms is None else updated_at_ms, task_json=task_json,
+            created_at_ms=at, updated_at_ms=at, task_json=task_json,
         )  # fmt: skip
         self.tasks[task_id] = record
         return record
@@ -308,7 +308,8 @@ class MemoryTaskStore(_Closable):
     ) -> TaskPage:
         check_page_size(page_size)
         check_listing_time(updated_after_ms)
-        after = decode_page_token(page_token) if page_token else None
+        filters = (context_id, state, updated_after_ms)
+        after = decode_page_token(page_token, filters) if page_token else None
         await self._enter()
         matching = sorted(
             (
@@ -323,7 +324,7 @@ class MemoryTaskStore(_Closable):
             reverse=True,
         )
         rest = [r for r in matching if after is None or (r.updated_at_ms, r.id) < after]
-        records, token = take_page(rest, page_size)
+        records, token = take_page(rest, page_size, filters)
         return TaskPage(records=records, next_page_token=token, total_size=len(matching))
 
     async def unfinished(self) -> Sequence[TaskRecord]:

@@ -107,12 +107,7 @@ def _v3(conn: sqlite3.Connection) -> None:
     )
 
 
-SESSIONS_SCHEMA = Schema(
-    name="keel.sessions",
-    migrations=(_v1, _v2, _v3),
-    tables=("sessions", "events", "app_states", "user_states", "steers", "steer_receipts"),
-    since={"steer_receipts": 2},
-)
+SESSIONS_SCHEMA = Schema(name="keel.sessions", migrations=(_v1, _v2, _v3))
 
 
 def now_ms() -> int:

@@ -36,6 +36,7 @@ from persistence.statedir import (
     fsync_dir,
     holds_keel_state,
     is_db_name,
+    make_dirs,
     nearest_existing,
     not_a_directory_to_use,
     refusal,
@@ -124,7 +125,7 @@ def _unusable_backup_root(backup_root: Path, why: str) -> SnapshotError:
 def _make_backup_root(backup_root: Path) -> None:
     """Make the backup root unless it is there; refuse one that no snapshot can be written in."""
     try:
-        backup_root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        make_dirs(backup_root)
     except OSError as exc:
         existing = nearest_existing(backup_root)
         raise _unusable_backup_root(backup_root, cannot_create(existing, refusal(exc, "directories", existing))) from exc

@@ -13,6 +13,7 @@ import os
 import queue
 import sqlite3
 import threading
+from contextlib import closing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ import outcome
 import trio
 
 from persistence.errors import DatabaseBusy, DatabaseFailed, DatabaseGone, SchemaError, StoreClosed, StoreError
-from persistence.schema import KNOWN_SCHEMAS, SchemaIdentity, read_identity, write_identity_txn
+from persistence.schema import KNOWN_SCHEMAS, META_DDL, SchemaIdentity, read_identity, write_identity_txn
 
 T = TypeVar("T")
 
@@ -149,8 +150,6 @@ class Schema:
 
     name: str
     migrations: tuple[Migration, ...]
-    tables: tuple[str, ...]  # the tables a current database must have
-    since: Mapping[str, int] = attrs.field(factory=dict)  # a table a later migration made: its version
 
     @property
     def version(self) -> int:
@@ -180,16 +179,54 @@ class Schema:
         return found.version
 
     def check_tables(self, path: Path, conn: sqlite3.Connection, version: int | None = None) -> None:
-        """SchemaError unless the database has every table of ``version`` (the current one by default)."""
+        """SchemaError unless the database's tables, and their columns, are those of ``version``
+        (the current one by default): one missing fails this build's reads or writes, and one it
+        does not know (a NOT NULL column it never fills, a table another build or program added)
+        says that the file was not left as this build left it. SQLite's own tables (``sqlite_stat1``
+        of an ANALYZE), and indexes, triggers and views, are not the schema's to refuse."""
         version = self.version if version is None else version
-        present = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        missing = [table for table in self.tables if table not in present and self.since.get(table, 1) <= version]
+        expected, found = self.layout(version), layout_of(conn)
+        missing = [f"table {t}" for t in expected if t not in found] + [
+            f"column {t}.{c}" for t in expected if t in found for c in expected[t] if c not in found[t]
+        ]
         if missing:
             raise SchemaError(
                 path,
                 f"has an incomplete {self.name} schema (missing {', '.join(missing)})",
                 "Restore a good snapshot, or move the file aside to start empty",
             )
+        added = [f"table {t}" for t in found if t not in expected] + [
+            f"column {t}.{c}" for t in found if t in expected for c in found[t] if c not in expected[t]
+        ]
+        if added:
+            raise SchemaError(
+                path,
+                f"has {', '.join(added)}, which {self.name}@{version} does not have (another program, or another build,"
+                " changed it)",
+                "Remove what was added (DROP TABLE, ALTER TABLE ... DROP COLUMN), or restore a good snapshot",
+            )
+
+    def layout(self, version: int) -> Mapping[str, tuple[str, ...]]:
+        """The tables of ``version`` and their columns, as its migrations make them."""
+        key = (self.name, version)
+        if key not in _LAYOUTS:
+            with closing(sqlite3.connect(":memory:", isolation_level=None)) as conn:
+                for migration in self.migrations[:version]:
+                    transaction(conn, migration)
+                conn.execute(META_DDL)
+                _LAYOUTS[key] = layout_of(conn)
+        return _LAYOUTS[key]
+
+
+_LAYOUTS: dict[tuple[str, int], Mapping[str, tuple[str, ...]]] = {}  # by (schema name, version)
+
+
+def layout_of(conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
+    """The database's tables, SQLite's own left out, with the names of their columns."""
+    return {
+        table: tuple(row[0] for row in conn.execute("SELECT name FROM pragma_table_info(?)", (table,)))
+        for table in _user_tables(conn)
+    }
 
 
 def _user_tables(conn: sqlite3.Connection) -> list[str]:

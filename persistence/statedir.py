@@ -357,12 +357,33 @@ def make_state_dir(state_dir: Path) -> None:
     if os.path.lexists(state_dir):
         require_directory(state_dir)
     try:
-        state_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        make_dirs(state_dir)
     except OSError as exc:
         existing = _nearest_reachable(state_dir)
         if not os.path.isdir(existing):
             raise UnusableStateDir(state_dir, not_under(existing)) from exc
         raise UnusableStateDir(state_dir, cannot_create(existing, refusal(exc, "directories", existing))) from exc
+
+
+def make_dirs(path: Path) -> None:
+    """Make the directory ``path`` unless it is there, and each missing parent, every one with
+    DIR_MODE (less what the umask takes away). Not ``mkdir -p``, whose parents get what the umask
+    leaves of 0777: under a umask of 000, directories any user may write in, and so replace what
+    they hold (the state directory, with every conversation). Raises OSError as os.mkdir does."""
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileNotFoundError:
+        if path.parent == path:
+            raise
+        make_dirs(path.parent)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:  # made meanwhile by another process
+            if not path.is_dir():
+                raise
+    except OSError:
+        if not path.is_dir():
+            raise
 
 
 def require_directory(state_dir: Path) -> None:

@@ -24,6 +24,7 @@ from persistence.errors import (
     InvalidPage,
     InvalidTask,
     MessageTaken,
+    PageOfOtherListing,
     StoreClosed,
     TaskExists,
     TaskNotFound,
@@ -780,7 +781,8 @@ async def a_bad_page_size_or_token_is_a_clear_error(backend: Backend) -> None:
                 raise AssertionError(f"page size {size} was accepted")
         # Not base64; base64 of what is not a token; tokens forged with a time past SQLite's
         # integers, before the epoch, or not a number at all; an id that is not text.
-        forged = ([10**30, "t1"], [-1, "t1"], [True, "t1"], [1.5, "t1"], [1, 2], [1, "t1", 3], [1, "t\ud800"])
+        forged = ([10**30, "t1"], [-1, "t1"], [True, "t1"], [1.5, "t1"], [1, 2], [1, "t1", 3], [1, "t\ud800"],
+                  [1, "t1", None, None, 1.5], [1, "t1", 7, None, None], [1, "t1", None, None, None, None])
         tokens = ["%%%not-a-token", "bm90IGpzb24", *(base64.urlsafe_b64encode(json.dumps(f).encode()).decode() for f in forged)]
         for token in tokens:
             try:
@@ -789,6 +791,29 @@ async def a_bad_page_size_or_token_is_a_clear_error(backend: Backend) -> None:
                 assert "malformed" in str(exc) and "nextPageToken" in str(exc)
             else:
                 raise AssertionError(f"a malformed page token was accepted: {token}")
+
+
+@task_check
+async def a_page_token_goes_on_only_with_the_filters_it_was_given_with(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        for i, context in enumerate(("a", "a", "b", "b")):
+            await store.create(
+                "alice", task_id=f"t{i}", context_id=context, state=SUBMITTED, task_json="{}", updated_at_ms=1000 + i
+            )
+        token = (await store.list("alice", context_id="a", page_size=1)).next_page_token
+        assert [r.id for r in (await store.list("alice", context_id="a", page_size=9, page_token=token)).records] == ["t0"]
+        cases: list[tuple[dict[str, Any], tuple[str, ...]]] = [
+            ({"context_id": "b"}, ("context_id",)),
+            ({"context_id": "a", "state": SUBMITTED}, ("state",)),
+            ({"updated_after_ms": 0}, ("context_id", "updated_after_ms")),
+        ]
+        for filters, changed in cases:
+            try:
+                await store.list("alice", page_token=token, **filters)
+            except PageOfOtherListing as exc:
+                assert exc.changed == changed, (filters, exc.changed)
+            else:
+                raise AssertionError(f"a page token of context 'a' was taken with {filters}")
 
 
 @task_check

@@ -13,7 +13,7 @@ from typing import Any, Self
 import attrs
 
 from persistence.api import TaskPage, TaskRecord
-from persistence.errors import InvalidPage, MessageTaken, TaskExists, TaskNotFound, VersionConflict
+from persistence.errors import InvalidPage, MessageTaken, PageOfOtherListing, TaskExists, TaskNotFound, VersionConflict
 from persistence.sessions import now_ms
 from persistence.sqlite import Schema, SqlitePool, execute_ddl
 from persistence.validate import MAX_INTEGER, check_integer, check_task, check_task_write, lone_surrogate
@@ -101,7 +101,7 @@ def _v3(conn: sqlite3.Connection) -> None:
     )
 
 
-TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2, _v3), tables=("tasks", "task_counts"), since={"task_counts": 3})
+TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2, _v3))
 
 _COLUMNS = "id, context_id, owner, state, version, created_at_ms, updated_at_ms, task"
 
@@ -124,12 +124,18 @@ def check_listing_time(updated_after_ms: int | None) -> None:
         check_integer(updated_after_ms, "the time (ms) tasks are listed after", minimum=-MAX_INTEGER - 1)
 
 
-def encode_page_token(record: TaskRecord) -> str:
-    raw = json.dumps([record.updated_at_ms, record.id], separators=(",", ":")).encode()
+# What a listing is filtered by, as ``list`` takes them: a page token carries them, and is refused
+# with any others (the page after a task of another listing would be silently wrong).
+FILTERS = ("context_id", "state", "updated_after_ms")
+Filters = tuple[str | None, str | None, int | None]
+
+
+def encode_page_token(record: TaskRecord, filters: Filters) -> str:
+    raw = json.dumps([record.updated_at_ms, record.id, *filters], separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def take_page(records: Iterable[TaskRecord], page_size: int) -> tuple[tuple[TaskRecord, ...], str]:
+def take_page(records: Iterable[TaskRecord], page_size: int, filters: Filters) -> tuple[tuple[TaskRecord, ...], str]:
     """The first of ``records`` that make a page, and the token of the next page ("" if none): at
     most ``page_size`` of them, and no more once their JSON passes MAX_PAGE_CHARS (at least one).
     ``records`` is read one at a time, and only up to the first one not taken."""
@@ -138,22 +144,32 @@ def take_page(records: Iterable[TaskRecord], page_size: int) -> tuple[tuple[Task
     for record in records:
         chars += len(record.task_json)
         if len(taken) == page_size or (taken and chars > MAX_PAGE_CHARS):
-            return tuple(taken), encode_page_token(taken[-1])
+            return tuple(taken), encode_page_token(taken[-1], filters)
         taken.append(record)
     return tuple(taken), ""
 
 
-def decode_page_token(token: str) -> tuple[int, str]:
+def decode_page_token(token: str, filters: Filters) -> tuple[int, str]:
+    """Where the page of ``token`` starts; InvalidPage for a token not made here, and
+    PageOfOtherListing for one made for a listing with other ``filters``. A token of an earlier
+    build carries no filters, and is taken with those it comes with."""
     try:
-        updated, task_id = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        fields = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        if type(fields) is not list or len(fields) not in (2, 2 + len(FILTERS)):
+            raise ValueError
+        updated, task_id, *given = fields
         # A token is only ever made here, but a client can send anything: a time that SQLite
         # cannot hold as an integer would fail the query, not name the token.
         if type(updated) is not int or not 0 <= updated < 2**63 or type(task_id) is not str or lone_surrogate(task_id):
+            raise ValueError
+        if given and not (all(type(text) in (str, type(None)) for text in given[:2]) and type(given[2]) in (int, type(None))):
             raise ValueError
     except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nested deeper than JSON is read
         raise InvalidPage(
             f"page token {token[:40]!r} is malformed; pass the nextPageToken of the previous page, or none for the first"
         ) from exc
+    if given and tuple(given) != filters:
+        raise PageOfOtherListing(token, [name for name, was, now in zip(FILTERS, given, filters) if was != now])
     return updated, task_id
 
 
@@ -201,8 +217,9 @@ def _update_txn(
 
 
 def _list_txn(
-    conn: sqlite3.Connection, owner: str, filters: dict[str, Any], page_size: int, after: tuple[int, str] | None
+    conn: sqlite3.Connection, owner: str, listing: Filters, page_size: int, after: tuple[int, str] | None
 ) -> TaskPage:
+    filters = dict(zip(("context_id", "state", "updated_at_ms"), listing))  # by column
     where = ["owner = :owner"]
     params: dict[str, Any] = {"owner": owner, "limit": page_size + 1}
     for column, op in (("context_id", "="), ("state", "="), ("updated_at_ms", ">")):
@@ -226,7 +243,7 @@ def _list_txn(
         params,
     )
     try:  # read row by row: a page may end before its page size
-        records, token = take_page(map(record_from_row, rows), page_size)
+        records, token = take_page(map(record_from_row, rows), page_size, listing)
     finally:
         rows.close()
     return TaskPage(records=records, next_page_token=token, total_size=int(total))
@@ -256,10 +273,10 @@ class SqliteTaskStore(WriterBacked):
     ) -> TaskRecord:
         check_task(task_id, context_id=context_id, owner=owner, state=state, task_json=task_json, message_id=message_id or "")
         check_task_write(task_id, updated_at_ms=updated_at_ms)
-        now = now_ms()
+        at = now_ms() if updated_at_ms is None else updated_at_ms  # its first status: when it was made
         record = TaskRecord(
             id=task_id, context_id=context_id, owner=owner, state=state, version=1,
-            created_at_ms=now, updated_at_ms=now if updated_at_ms is None else updated_at_ms, task_json=task_json,
+            created_at_ms=at, updated_at_ms=at, task_json=task_json,
         )  # fmt: skip
         return await self._writer.submit(_create_txn, record, message_id)
 
@@ -312,10 +329,10 @@ class SqliteTaskStore(WriterBacked):
     ) -> TaskPage:
         check_page_size(page_size)
         check_listing_time(updated_after_ms)
-        after = decode_page_token(page_token) if page_token else None
+        filters = (context_id, state, updated_after_ms)
+        after = decode_page_token(page_token, filters) if page_token else None
         if any(lone_surrogate(text) for text in (owner, context_id or "", state or "")):
             return TaskPage(records=(), next_page_token="", total_size=0)  # no such text is ever stored
-        filters = {"context_id": context_id, "state": state, "updated_at_ms": updated_after_ms}
         # One read transaction, so the count and the page agree.
         return await self.pool.run(_read_txn, _list_txn, owner, filters, page_size, after)
 

@@ -29,6 +29,10 @@ from protocol import (
 from runtime.tasks import STORED_VERSION, LiveTask, StreamItem, decode, epoch_ms_up, load
 
 
+# The ListTasks fields of the task store's filters (persistence.tasks.FILTERS).
+_FILTER_FIELDS = {"context_id": "contextId", "state": "status", "updated_after_ms": "statusTimestampAfter"}
+
+
 @attrs.define(eq=False)
 class Reads:
     """The tasks of ``tasks`` as their owners see them: ``live`` is the runner's runs, by task id,
@@ -61,6 +65,13 @@ class Reads:
                 page_size=params.page_size or DEFAULT_PAGE_SIZE,
                 page_token=params.page_token or "",
             )
+        except store_errors.PageOfOtherListing as exc:
+            changed = " and ".join(_FILTER_FIELDS[name] for name in exc.changed)
+            problem = (
+                f"was given for a listing with another {changed}; send it with the filters of the request whose"
+                " nextPageToken it was, or leave it out to list from the first page"
+            )
+            raise InvalidParams("pageToken", problem=problem) from exc
         except store_errors.InvalidPage as exc:  # the page size was checked with the request
             problem = "is not a token this server gave; pass the nextPageToken of the previous page, or none for the first"
             raise InvalidParams("pageToken", problem=problem) from exc

@@ -66,10 +66,10 @@ from runtime.tasks import (
     encode,
     message_text,
     new_id,
-    now,
     readable_text,
     refuse_oversize,
     status_ms,
+    status_time,
 )
 from runtime.turns import Turns
 
@@ -259,7 +259,7 @@ class Runner:
         context_id = message.context_id or new_id()
         message = attrs.evolve(message, task_id=task_id, context_id=context_id)
         task = Task(
-            id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=now()),
+            id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED, timestamp=status_time()),
             history=(message,), metadata=params.metadata,
         )  # fmt: skip
         return await self._take(owner, task, params)

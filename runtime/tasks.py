@@ -223,16 +223,29 @@ def with_status(task: Task, state: TaskState, message: Message | None = None) ->
     """``task`` moved to ``state`` now (never before its last status); InvalidTransition for a move
     the task state machine forbids (out of a terminal state, say): every status a task is given passes here."""
     check_transition(task.id, task.status.state, state)
-    moment = _next_moment(task.status.timestamp)
+    moment = status_time(task.status.timestamp)
     return attrs.evolve(task, status=TaskStatus(state=state, message=message, timestamp=moment))
 
 
-def _next_moment(previous: datetime | None) -> datetime:
-    """Now, or a millisecond after ``previous`` while the clock is not past it (it was set back):
-    a task's statuses are dated in the order they came, so ListTasks, which sorts and filters by
-    that date, never shows a task's change as older than what a client already read of it."""
+_newest_status = _EPOCH  # the latest time status_time has given in this process
+
+
+def status_time(previous: datetime | None = None) -> datetime:
+    """The time for a status given now: a millisecond after ``previous`` (the task's last status)
+    while the clock is not past it, and, while the clock is behind the latest time given in this
+    process, a millisecond after that. A clock set back (an NTP step) would otherwise date a
+    task made or changed later as earlier: ListTasks, which sorts and filters by that date, would
+    list it behind tasks it came after, a client polling from the newest status it has seen
+    would not see it until the clock caught up, and a restart would take up one conversation's
+    unfinished tasks in another order than they came."""
+    global _newest_status
     moment = now()
-    return moment if previous is None or moment > previous else previous + timedelta(milliseconds=1)
+    if moment < _newest_status:
+        moment = _newest_status + timedelta(milliseconds=1)
+    if previous is not None and moment <= previous:
+        moment = previous + timedelta(milliseconds=1)
+    _newest_status = max(moment, _newest_status)
+    return moment
 
 
 async def load(tasks: TaskStore, owner: str, task_id: str) -> tuple[Task, int]:

@@ -82,7 +82,7 @@ def killed(conn):
     os.kill(os.getpid(), signal.SIGKILL)
 
 schema = tasks.TASKS_SCHEMA
-trio.run(SqlitePool.open, Path(sys.argv[1]), type(schema)(schema.name, (*schema.migrations[:2], killed), schema.tables, schema.since))
+trio.run(SqlitePool.open, Path(sys.argv[1]), type(schema)(schema.name, (*schema.migrations[:2], killed)))
 """
 
 
