@@ -31,8 +31,21 @@ def build_parser(prog: str = "python -m runtime") -> argparse.ArgumentParser:
     return parser
 
 
+def _heed_held_signals() -> None:
+    """For a command that watches for SIGINT and SIGTERM itself: handled as from a terminal though
+    this process was started with them ignored (by a script with no job control, for a command it
+    runs in the background), as the command will handle them once it watches. Meanwhile an
+    ignored SIGINT held pending would be lost: Trio's event loop, setting up, sets SIGINT's
+    handler to what it was, and setting a signal's handler to ignored drops it if pending."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    handlers = {signum: signal.getsignal(signum) for signum in HELD_SIGNALS}
     try:
         started_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         # The installed ``keel`` command names itself so; ``python -m runtime`` runs __main__.py.
@@ -41,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:  # said by the command's own parser (its ``parser`` default), with its usage
             command: argparse.ArgumentParser = getattr(args, "parser", parser)
             command.error(f"unrecognized arguments: {' '.join(unknown)}")
-        if not getattr(args, "takes_held_signals", False):
+        if getattr(args, "takes_held_signals", False):
+            _heed_held_signals()
+        else:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
@@ -49,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
     finally:  # as it was, for a caller that goes on (and for the processes it starts)
+        for signum, handler in handlers.items():
+            if handler is not None and signal.getsignal(signum) != handler:
+                signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 

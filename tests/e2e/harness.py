@@ -48,10 +48,18 @@ class KeelProcess:
             return await self.process.wait()
 
 
-def serve_command(state_dir: Path, model_url: str, *extra: str) -> list[str]:
+# A child started as from a terminal: the signals a shell may have left ignored for the tests
+# (SIGINT and SIGQUIT in a script's background job, SIGHUP under nohup) at their defaults again, so
+# that what a test sends it does what it does to a process started in a terminal.
+AS_FROM_A_TERMINAL = ("env", "--default-signal=HUP,INT,QUIT,TERM")
+
+
+def serve_command(state_dir: Path, model_url: str, *extra: str, started_by: Sequence[str] = ()) -> list[str]:
+    """``python -m runtime serve`` on a port of its choosing, started as from a terminal, through
+    ``started_by`` if given (a command that runs the rest)."""
     return [
-        sys.executable, "-m", "runtime", "serve", "--port", "0", "--state-dir", str(state_dir),
-        "--model-base-url", model_url, *extra,
+        *AS_FROM_A_TERMINAL, *started_by, sys.executable, "-m", "runtime", "serve", "--port", "0",
+        "--state-dir", str(state_dir), "--model-base-url", model_url, *extra,
     ]  # fmt: skip
 
 

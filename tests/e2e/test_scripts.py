@@ -16,7 +16,7 @@ import httpx
 import trio
 
 from fake_model import FakeModel
-from tests.e2e.harness import STARTUP_DEADLINE_S, keel_process, rpc, started_keel, user_message
+from tests.e2e.harness import AS_FROM_A_TERMINAL, STARTUP_DEADLINE_S, keel_process, rpc, started_keel, user_message
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
@@ -43,7 +43,7 @@ async def test_scripts_serve_keeps_a_relative_state_dir_in_the_directory_it_is_c
 
 
 async def test_the_fake_model_server_stops_quietly_at_ctrl_c() -> None:
-    command = [sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0"]
+    command = [*AS_FROM_A_TERMINAL, sys.executable, str(ROOT / "scripts" / "dev" / "fake_model.py"), "--port", "0"]
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     said = b""
     assert process.stdout is not None

@@ -19,6 +19,7 @@ import trio
 from runtime.config import Config
 from runtime.serve_cli import GC_YOUNG_THRESHOLD, _tune_collector
 from runtime.server import _http_config
+from tests.e2e.harness import AS_FROM_A_TERMINAL
 
 
 def test_the_server_freezes_what_it_made_to_start_and_collects_the_young_less_often() -> None:
@@ -176,7 +177,7 @@ async def test_a_start_given_up_while_it_waits_for_the_state_directory_lets_go_o
 
 async def test_check_interrupted_while_it_loads_says_so_without_a_traceback(tmp_path: Path) -> None:
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "runtime", "check", "--state-dir", str(tmp_path / "state")],
+        [*AS_FROM_A_TERMINAL, sys.executable, "-m", "runtime", "check", "--state-dir", str(tmp_path / "state")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items() if not k.startswith("AGENT_")},
     )  # fmt: skip
     with trio.fail_after(60):
