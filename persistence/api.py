@@ -44,6 +44,16 @@ class SteerReceipt:
         return self.sent_sha256 == steer_digest(sent_as)
 
 
+@attrs.frozen
+class PendingSteer:
+    """A steer left with a ``record`` (see ``SessionStore.add_steer``) not yet marked recorded."""
+
+    session_id: str
+    message_id: str
+    task_id: str | None
+    record: str  # as add_steer was given it
+
+
 def steer_digest(sent_as: str) -> str:
     return hashlib.sha256(sent_as.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -85,15 +95,27 @@ class SessionStore(Protocol):
         message_id: str | None = None,
         task_id: str | None = None,
         sent_as: str | None = None,
+        record: str | None = None,
     ) -> bool:
         """Leave a steer for the session's next model request; True once it is durable. With
         ``message_id`` a receipt is kept too (with ``task_id``, and a digest of ``sent_as``, the
         message as its client sent it, by default the text), and a steer left before with that
         id (taken since or not) is not left again: nothing is stored and the answer is False
-        (see ``steer_receipt`` for what was left)."""
+        (see ``steer_receipt`` for what was left). With ``message_id``, ``record`` is what the
+        caller has still to record of the steer elsewhere (its task's history): kept with the
+        receipt, in the same step, until ``steers_recorded`` says it is recorded, so that a
+        process that dies in between leaves it to the next (``pending_steers``)."""
 
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         """The receipt of the steer left for the session with this message id, if one was."""
+
+    async def pending_steers(self, *, session_id: str | None = None, task_id: str | None = None) -> list[PendingSteer]:
+        """The steers left with a ``record`` that no ``steers_recorded`` has marked, oldest first:
+        those of ``session_id`` and left for ``task_id``, where given."""
+
+    async def steers_recorded(self, session_id: str, message_ids: Sequence[str]) -> None:
+        """Mark the steers of the session left with these message ids as recorded (their
+        ``record`` is forgotten; their receipts are kept). Unknown ids are ignored."""
 
     async def take_steers(self, session_id: str, *, for_task: str | None = None) -> list[str]:
         """Hand out every waiting steer exactly once, oldest first, and forget them.

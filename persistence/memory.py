@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import trio
 
-from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt, TaskPage, TaskRecord
+from persistence.api import DEFAULT_APP_NAME, Event, PendingSteer, SteerReceipt, TaskPage, TaskRecord
 from persistence.errors import (
     MessageTaken,
     StoreClosed,
@@ -69,6 +69,7 @@ class MemorySessionData:
     states: dict[tuple[str, ...], str] = attrs.field(factory=dict)  # by ("session", id), ("app", name), ("user", app, id)
     steers: dict[str, list[tuple[str, str | None]]] = attrs.field(factory=dict)  # (text, the task it was left for)
     steer_receipts: dict[tuple[str, str], SteerReceipt] = attrs.field(factory=dict)  # by (session id, message id)
+    pending: dict[tuple[str, str], PendingSteer] = attrs.field(factory=dict)  # likewise, oldest first
     verified: dict[str, list[Message]] = attrs.field(factory=dict)  # a session's first events, as the messages saved
     locks: TurnLocks = attrs.field(factory=TurnLocks)
 
@@ -143,19 +144,35 @@ class MemorySessionStore(_Closable):
         message_id: str | None = None,
         task_id: str | None = None,
         sent_as: str | None = None,
+        record: str | None = None,
     ) -> bool:
-        check_steer_params(session_id, text, message_id, task_id)
+        check_steer_params(session_id, text, message_id, task_id, record)
         await self._enter()
         if message_id is not None:
             if (session_id, message_id) in self.data.steer_receipts:
                 return False
             self.data.steer_receipts[session_id, message_id] = SteerReceipt.of(text, task_id=task_id, sent_as=sent_as)
+            if record is not None:
+                self.data.pending[session_id, message_id] = PendingSteer(session_id, message_id, task_id, record)
         self.data.steers.setdefault(session_id, []).append((text, task_id))
         return True
 
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         await self._enter()
         return self.data.steer_receipts.get((session_id, message_id))
+
+    async def pending_steers(self, *, session_id: str | None = None, task_id: str | None = None) -> list[PendingSteer]:
+        await self._enter()
+        return [
+            steer
+            for steer in self.data.pending.values()
+            if session_id in (None, steer.session_id) and task_id in (None, steer.task_id)
+        ]
+
+    async def steers_recorded(self, session_id: str, message_ids: Sequence[str]) -> None:
+        await self._enter()
+        for message_id in message_ids:
+            self.data.pending.pop((session_id, message_id), None)
 
     async def take_steers(self, session_id: str, *, for_task: str | None = None) -> list[str]:
         await self._enter()

@@ -15,7 +15,7 @@ KEEL_SCHEMA_PREFIX = "keel."  # every Keel schema's name starts so, those of new
 
 # The schemas this build can open, with the newest version it understands.
 KNOWN_SCHEMAS: dict[str, int] = {
-    "keel.sessions": 3,  # runtime.db
+    "keel.sessions": 4,  # runtime.db
     "keel.tasks": 3,  # tasks.db
 }
 

@@ -13,7 +13,7 @@ from typing import Any, Self
 import attrs
 import trio
 
-from persistence.api import DEFAULT_APP_NAME, Event, SteerReceipt
+from persistence.api import DEFAULT_APP_NAME, Event, PendingSteer, SteerReceipt
 from persistence.locks import TurnLocks
 from persistence.sqlite import Schema, SqlitePool, execute_ddl
 from persistence.writer import WriterBacked, running
@@ -107,7 +107,20 @@ def _v3(conn: sqlite3.Connection) -> None:
     )
 
 
-SESSIONS_SCHEMA = Schema(name="keel.sessions", migrations=(_v1, _v2, _v3))
+def _v4(conn: sqlite3.Connection) -> None:
+    # What is still to be recorded of a steer in its task's history (the message as the task
+    # keeps it), written with its receipt and forgotten once that record is stored: tasks.db is
+    # another file, and a process that dies between the two writes leaves it to the next.
+    execute_ddl(
+        conn,
+        """
+        ALTER TABLE steer_receipts ADD COLUMN record TEXT;
+        CREATE INDEX steer_receipts_pending ON steer_receipts (created_at_ms) WHERE record IS NOT NULL;
+        """,
+    )
+
+
+SESSIONS_SCHEMA = Schema(name="keel.sessions", migrations=(_v1, _v2, _v3, _v4))
 
 
 def now_ms() -> int:
@@ -288,13 +301,19 @@ def _drop_steers_txn(conn: sqlite3.Connection, session_id: str, task_id: str) ->
 
 
 def _add_steer_txn(
-    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, text: str, message_id: str | None, receipt: SteerReceipt
+    conn: sqlite3.Connection,
+    lengths: SessionLengths,
+    session_id: str,
+    text: str,
+    message_id: str | None,
+    receipt: SteerReceipt,
+    record: str | None,
 ) -> bool:
     now = now_ms()
     if message_id is not None and not conn.execute(
-        "INSERT INTO steer_receipts (session_id, message_id, task_id, sent_sha256, created_at_ms) VALUES (?, ?, ?, ?, ?)"
-        " ON CONFLICT DO NOTHING",
-        (session_id, message_id, receipt.task_id, receipt.sent_sha256, now),
+        "INSERT INTO steer_receipts (session_id, message_id, task_id, sent_sha256, created_at_ms, record)"
+        " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        (session_id, message_id, receipt.task_id, receipt.sent_sha256, now, record),
     ).rowcount:
         return False
     conn.execute(
@@ -303,6 +322,13 @@ def _add_steer_txn(
     )
     lengths.no_steers.discard(session_id)
     return True
+
+
+def _steers_recorded_txn(conn: sqlite3.Connection, session_id: str, message_ids: Sequence[str]) -> None:
+    conn.executemany(
+        "UPDATE steer_receipts SET record = NULL WHERE session_id = ? AND message_id = ?",
+        [(session_id, message_id) for message_id in message_ids],
+    )
 
 
 def _save_and_take_txn(
@@ -403,10 +429,11 @@ class SqliteSessionStore(WriterBacked):
         message_id: str | None = None,
         task_id: str | None = None,
         sent_as: str | None = None,
+        record: str | None = None,
     ) -> bool:
-        check_steer_params(session_id, text, message_id, task_id)
+        check_steer_params(session_id, text, message_id, task_id, record)
         receipt = SteerReceipt.of(text, task_id=task_id, sent_as=sent_as)
-        return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, message_id, receipt)
+        return await self._writer.submit(_add_steer_txn, self._lengths, session_id, text, message_id, receipt, record)
 
     async def steer_receipt(self, session_id: str, message_id: str) -> SteerReceipt | None:
         if lone_surrogate(session_id) or lone_surrogate(message_id):  # never stored
@@ -417,6 +444,23 @@ class SqliteSessionStore(WriterBacked):
             ).fetchone()
         )
         return None if row is None else SteerReceipt(task_id=row[0], sent_sha256=row[1])
+
+    async def pending_steers(self, *, session_id: str | None = None, task_id: str | None = None) -> list[PendingSteer]:
+        if any(name is not None and lone_surrogate(name) for name in (session_id, task_id)):  # never stored
+            return []
+        rows = await self.pool.run(
+            lambda conn: conn.execute(
+                "SELECT session_id, message_id, task_id, record FROM steer_receipts WHERE record IS NOT NULL"
+                " AND (?1 IS NULL OR session_id = ?1) AND (?2 IS NULL OR task_id = ?2) ORDER BY created_at_ms, message_id",
+                (session_id, task_id),
+            ).fetchall()
+        )
+        return [PendingSteer(session_id=row[0], message_id=row[1], task_id=row[2], record=row[3]) for row in rows]
+
+    async def steers_recorded(self, session_id: str, message_ids: Sequence[str]) -> None:
+        ids = [message_id for message_id in message_ids if not lone_surrogate(message_id)]
+        if ids and not lone_surrogate(session_id):
+            await self._writer.submit(_steers_recorded_txn, session_id, ids)
 
     async def take_steers(self, session_id: str, *, for_task: str | None = None) -> list[str]:
         return await self._writer.submit(_take_steers_txn, self._lengths, session_id, for_task)

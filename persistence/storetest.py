@@ -296,6 +296,34 @@ async def dropping_a_tasks_steers_forgets_those_alone_and_keeps_their_receipts(b
 
 
 @session_check
+async def a_steer_left_with_a_record_is_pending_until_marked_recorded_whoever_reads(backend: Backend) -> None:
+    async with backend.sessions() as one, backend.sessions() as two:
+        assert await two.pending_steers() == []
+        await one.add_steer("s", "use staging", message_id="m-1", task_id="task-1", record='{"m":1}')
+        await one.add_steer("s", "no record", message_id="m-2", task_id="task-1")
+        await one.add_steer("s", "for task-2", message_id="m-3", task_id="task-2", record='{"m":3}')
+        await one.add_steer("t", "another session's", message_id="m-1", task_id="task-1", record='{"t":1}')
+        assert not await one.add_steer("s", "use staging", message_id="m-1", task_id="task-1", record='{"again":1}')
+        assert sorted((p.session_id, p.message_id, p.task_id, p.record) for p in await two.pending_steers()) == [
+            ("s", "m-1", "task-1", '{"m":1}'), ("s", "m-3", "task-2", '{"m":3}'), ("t", "m-1", "task-1", '{"t":1}'),
+        ]  # fmt: skip
+        assert [p.message_id for p in await two.pending_steers(session_id="s", task_id="task-1")] == ["m-1"]
+        assert sorted(p.session_id for p in await two.pending_steers(task_id="task-1")) == ["s", "t"]
+        # Taken or dropped, a steer is still to be recorded: the record is the task's, not the run's.
+        assert await one.take_steers("s") == ["use staging", "no record", "for task-2"]
+        await two.steers_recorded("s", ["m-1", "m-9"])
+        assert [p.message_id for p in await one.pending_steers(session_id="s")] == ["m-3"]
+        assert [p.session_id for p in await one.pending_steers(task_id="task-1")] == ["t"]
+        assert await one.steer_receipt("s", "m-1") is not None, "a steer recorded is still one sent before"
+        try:
+            await one.add_steer("s", "x", record="{}")
+        except ValueError as exc:
+            assert "needs its message id" in str(exc), str(exc)
+        else:
+            raise AssertionError("a steer with a record and no message id was accepted")
+
+
+@session_check
 async def two_sessions_do_not_see_each_other(backend: Backend) -> None:
     async with backend.sessions() as store:
         await store.save("a", [user("for a")])

@@ -154,9 +154,11 @@ def check_steer(session_id: str, text: str) -> None:
         raise ValueError(f"a steer for session {session_id!r} {reason}")
 
 
-def check_steer_params(session_id: str, text: str, message_id: str | None, task_id: str | None) -> None:
-    """What ``add_steer`` is given: a session id, a steer, and the ids of the message it came in
-    and of its task, if any."""
+def check_steer_params(
+    session_id: str, text: str, message_id: str | None, task_id: str | None, record: str | None = None
+) -> None:
+    """What ``add_steer`` is given: a session id, a steer, the ids of the message it came in
+    and of its task, if any, and what is to be recorded of it elsewhere (only with a message id)."""
     check_session_id(session_id)
     check_steer(session_id, text)
     for what, name in (("message id", message_id), ("task id", task_id)):
@@ -164,6 +166,10 @@ def check_steer_params(session_id: str, text: str, message_id: str | None, task_
             if not isinstance(name, str) or not name:
                 raise ValueError(f"a steer's {what} for session {session_id!r} must be a non-empty string or None")
             check_name(what, name)
+    if record is not None:
+        if message_id is None:
+            raise ValueError(f"a steer for session {session_id!r} left with a record needs its message id, to mark it recorded")
+        check_steer(session_id, record)
 
 
 def check_task(task_id: str, **columns: str) -> None:

@@ -408,7 +408,7 @@ class Runner:
                 if await self._store_end(live, keeping_answer(live, final)):
                     live.close()
                     if live.steered:
-                        await self._drop_untaken_steers(live)
+                        await self._settle_steers(live)
             if self._fresh.get(live.task.context_id) == live.task.id:  # ended before its turn began
                 del self._fresh[live.task.context_id]
             del self._live[live.task.id]
@@ -452,12 +452,14 @@ class Runner:
             with trio.move_on_after(delay):
                 await self._stopping.wait()
 
-    async def _drop_untaken_steers(self, live: LiveTask) -> None:
-        """Forget the steers stored for a run whose end is stored, if it never took them (it was
+    async def _settle_steers(self, live: LiveTask) -> None:
+        """For a run whose end is stored: record in its task's history the steers stored for it
+        that are not there yet (their record failed), and forget those it never took (it was
         canceled or failed first): no run ever will, and the task's history keeps them. Bounded
-        and shielded, like the end's write; one that fails leaves them to the conversation's next
-        turn, which drops them too."""
+        and shielded, like the end's write; a steer not recorded is left to the next process, and
+        one not dropped to the conversation's next turn, which drops it too."""
         with trio.move_on_after(self.config.cleanup_timeout_s, shield=True):
+            await self._steering.record_pending(context_id=live.task.context_id, task_id=live.task.id)
             try:
                 await self.sessions.drop_steers(live.task.context_id, task_id=live.task.id)
             except (store_errors.StoreError, TimeoutError) as exc:
@@ -527,6 +529,9 @@ class Runner:
     async def _adopt_orphans(self) -> None:
         """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left
         hanging. Those of one context take their turns in the order they were created."""
+        # First, the steers a dead process stored and never recorded in their tasks (it died
+        # between the two writes): in the history of the task taken up, and of one that ended.
+        await self._steering.record_pending()
         # Every one read before any starts: one that cannot be read (UnreadableTask, naming it)
         # stops the start with no run begun, rather than cancel the runs begun before it.
         orphans = [(record, decode(record)) for record in await self.tasks.unfinished()]  # oldest first

@@ -8,13 +8,15 @@ it stores the steer for the session, records the message in the task, or says wh
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Mapping
 from contextlib import nullcontext
 
 import attrs
 
 import persistence.errors as store_errors
-from persistence.api import SessionStore, SteerReceipt, TaskStore
+from persistence.api import PendingSteer, SessionStore, SteerReceipt, TaskStore
 from protocol import (
     ContextMismatch,
     InvalidParams,
@@ -31,6 +33,8 @@ from runtime.agent.steers import steer_message
 from runtime.resent import as_sent, check_receipt, check_same, sent_with_other_content, with_message
 from runtime.tasks import STORED_VERSION, LiveTask, encode, load, readable_text, refuse_oversize, status_ms
 from runtime.turns import Turns
+
+logger = logging.getLogger(__name__)
 
 HISTORY_WRITE_ATTEMPTS = 5
 # The most messages a task takes after the one that started it. The task is stored whole at each
@@ -100,6 +104,37 @@ class Steering:
         except TaskNotFound:
             raise sent_before from None
 
+    async def record_pending(self, *, context_id: str | None = None, task_id: str | None = None) -> None:
+        """Record in its task's history each steer stored but not known to be recorded there (its
+        process died between the two writes, or the second failed and its client never sent it
+        again), those of ``context_id`` and ``task_id`` where given; then forget what was stored
+        for that. A steer that cannot be recorded now is logged, and left for the next call."""
+        try:
+            pending = await self.sessions.pending_steers(session_id=context_id, task_id=task_id)
+        except (store_errors.StoreError, TimeoutError) as exc:
+            logger.warning("the steers stored and not yet in their tasks' histories could not be read: %s", exc)
+            return
+        for steer in pending:
+            try:
+                await self._record(steer)
+                await self.sessions.steers_recorded(steer.session_id, [steer.message_id])
+            except (store_errors.StoreError, TimeoutError, ProtocolError, ValueError, KeyError) as exc:
+                logger.warning(
+                    "task %s: the steer %r stored for it in context %s is not yet in its history: %s",
+                    steer.task_id, steer.message_id, steer.session_id, exc,
+                )  # fmt: skip
+
+    async def _record(self, steer: PendingSteer) -> None:
+        if steer.task_id is None:
+            return
+        stored = json.loads(steer.record)
+        owner, message = stored["owner"], Message.from_json(stored["message"], STORED_VERSION)
+        try:
+            task, version = await load(self.tasks, owner, steer.task_id)
+        except TaskNotFound:  # its task is gone (a state directory put together by hand): nowhere to record it
+            return
+        await self._add_to_history(owner, task, version, message)
+
     async def _steer(self, owner: str, task: Task, version: int, message: Message, live: LiveTask | None) -> Task:
         refusal = self._refusal(task, live)
         if refusal is not None:
@@ -116,12 +151,14 @@ class Steering:
         # before the run's next model request, wherever that run is. Stored with its message id,
         # so that sent again after its record in the task failed (or its process died between
         # the two writes, or while the first send was still writing), it is recorded without
-        # steering the run a second time.
+        # steering the run a second time. Stored with the message too, until its task records
+        # it: a record that fails, or a process that dies first, leaves it to record_pending.
         if live is not None:
             live.steered = True  # from before the write: a run cancelled during it still forgets the steer
         left = await self.sessions.add_steer(
-            task.context_id, text, message_id=message.message_id, task_id=task.id, sent_as=as_sent(message)
-        )
+            task.context_id, text, message_id=message.message_id, task_id=task.id, sent_as=as_sent(message),
+            record=_to_record(owner, message),
+        )  # fmt: skip
         if not left:
             receipt = await self.sessions.steer_receipt(task.context_id, message.message_id)
             if receipt is not None:
@@ -187,3 +224,9 @@ class Steering:
             except store_errors.VersionConflict:
                 task, version = await load(self.tasks, owner, task.id)
         raise UnsupportedOperation(f"task {task.id!r} kept changing while a message was added; send it again")
+
+
+def _to_record(owner: str, message: Message) -> str:
+    """What a steer's task is to record of it (see Steering.record_pending)."""
+    stored = {"owner": owner, "message": message.to_json(STORED_VERSION)}
+    return json.dumps(stored, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
