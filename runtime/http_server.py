@@ -19,11 +19,8 @@ The connections waiting meanwhile stay in the listen queue, and are taken once d
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
-import os
-import resource
 from collections.abc import Awaitable, Callable
 
 import hypercorn
@@ -34,12 +31,12 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState, Framework, LifespanState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
+from runtime.starved import STARVED, starved_reason
+
 logger = logging.getLogger(__name__)
 
 ACCEPT_RETRY_S = 0.1
 STARVED_LOG_EVERY_S = 60.0
-# What accept(2) answers when the process or the system is out of what a connection needs.
-_STARVED = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
 async def serve_http(
@@ -93,25 +90,18 @@ async def _accept(
             try:
                 stream = await listener.accept()
             except OSError as exc:
-                if exc.errno not in _STARVED:
+                if exc.errno not in STARVED:
                     raise
                 if trio.current_time() - starved_logged_at >= STARVED_LOG_EVERY_S:
                     starved_logged_at = trio.current_time()
                     logger.warning(
                         "cannot accept connections: %s; they wait in the listen queue until some close."
                         " Raise the limit, or find what holds so many connections (said at most once a minute)",
-                        _starved_reason(exc.errno or 0),
+                        starved_reason(exc.errno or 0),
                     )
                 await trio.sleep(ACCEPT_RETRY_S)
             else:
                 connections.start_soon(handler, stream)
-
-
-def _starved_reason(code: int) -> str:
-    if code == errno.EMFILE:
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return f"this process has as many files open as its limit allows ({soft}: ulimit -n)"
-    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
 
 
 async def _serve_connection(

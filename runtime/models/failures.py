@@ -28,6 +28,7 @@ from runtime.models.errors import (
     ModelTimeout,
     ModelUnavailable,
 )
+from runtime.starved import STARVED, starved_reason
 
 if TYPE_CHECKING:
     from runtime.models.endpoint import ModelConfig
@@ -70,6 +71,10 @@ def failure_to_send(config: ModelConfig, exc: httpx.RequestError, attempt: int, 
         # The server took the request and is slow to answer it; asking again would only add load.
         error = ModelTimeout(model, waiting_for, config.read_timeout_s, detail=detail, attempts=attempt)
         return Failure(error, retry=False)
+    starved = _starved(exc)
+    if starved is not None:  # this process's own want, not the model server's: one may come free meanwhile
+        reason = f"this server cannot open a connection to it: {starved_reason(starved, 'it')}"
+        return Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)
     tls = _tls_failure(exc)
     if tls is not None:  # a matter of settings or certificates: trying again changes nothing
         return Failure(ModelUnavailable(model, tls, detail=detail, attempts=attempt), retry=False)
@@ -163,6 +168,15 @@ def _causes(exc: BaseException) -> list[BaseException]:
         else:
             link = link.__cause__ or link.__context__
     return chain
+
+
+def _starved(exc: BaseException) -> int | None:
+    """The errno, if ``exc`` comes of this process being out of file descriptors (or the kernel
+    out of memory for sockets)."""
+    for link in _causes(exc):
+        if isinstance(link, OSError) and link.errno in STARVED:
+            return link.errno
+    return None
 
 
 def _tls_failure(exc: BaseException) -> str | None:

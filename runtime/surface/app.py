@@ -27,6 +27,7 @@ client that goes away ends only that request.
 
 from __future__ import annotations
 
+import codecs
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -67,10 +68,19 @@ class SurfaceConfig:
     it, rather than the address a request came in on."""
 
 
+# The codecs every request uses: werkzeug's routing encodes the request's host as IDNA, and the
+# JSON-RPC parser decodes the body as UTF-8 with a byte-order mark. Each is a module read from disk
+# the first time it is looked up: left to the first requests, a process out of file descriptors
+# failed every one with HTTP 500 (and an error in the log) until a descriptor came free.
+REQUEST_CODECS = ("idna", "utf-8-sig")
+
+
 def create_app(
     *, runner: Runner, card_for: CardFor, health: Health, readiness: Readiness, config: SurfaceConfig = SurfaceConfig()
 ) -> QuartTrio:
     """The app; building it starts nothing (hypercorn runs it, the runner is already running)."""
+    for codec in REQUEST_CODECS:
+        codecs.lookup(codec)
     app = QuartTrio(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["BODY_TIMEOUT"] = config.body_timeout_s

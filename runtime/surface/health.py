@@ -30,6 +30,7 @@ from persistence.sqlite import Schema, inspect
 from persistence.statedir import MIN_FREE_BYTES, free_bytes, nearly_full
 from persistence.tasks import TASKS_SCHEMA
 from runtime.models.errors import ModelError
+from runtime.starved import STARVED, starved_reason
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ class Health:
         try:
             free = await self._in_thread(_touch_and_measure, self.state_dir)
         except OSError as exc:  # a path is the machine's, not a client's
+            if exc.errno in STARVED:
+                return self._starved("the state directory", exc.errno)
             return self._found(
                 "state directory is not writable (the server log names it)",
                 "readiness: the state directory %s is not writable: %r", self.state_dir, exc,
@@ -170,9 +173,17 @@ class Health:
         except _Missing:
             return f"{label} is not initialized: {name} is missing"
         except Exception as exc:  # SchemaError, sqlite3.Error, OSError: all mean "cannot use it"
+            if isinstance(exc, OSError) and exc.errno in STARVED:  # ... but this one is the server's
+                return self._starved(label, exc.errno)
             problem = f"{label} is not usable: {name} ({type(exc).__name__})"
             return self._found(problem, "readiness: %s %s is not usable: %r", label, path, exc)
         return None
+
+    def _starved(self, what: str, code: int) -> str:
+        """The problem of a probe that could not open a file for want of descriptors: the server's,
+        not the file's."""
+        reason = starved_reason(code, "this server")
+        return self._found(f"{what} cannot be checked: {reason}", "readiness: %s cannot be checked: %s", what, reason)
 
     async def _in_thread(self, fn: Callable[[Path, *Ts], T], path: Path, *args: *Ts) -> T:
         """``fn(path, *args)`` in a worker thread, behind any earlier check of ``path`` still
@@ -213,4 +224,6 @@ def _inspect_existing(path: Path, schema: Schema) -> None:
     """``inspect`` passes an absent file (first boot); after startup an absent file is a fault."""
     if not path.is_file():
         raise _Missing(path)
+    # sqlite3 says only that it cannot open the file: a process out of descriptors is told here.
+    os.close(os.open(path, os.O_RDONLY))
     inspect(path, schema)

@@ -1234,3 +1234,43 @@ def test_a_tool_call_fragment_whose_index_is_null_is_placed_as_one_that_gives_no
         assembler.feed_line(line)
     [made] = assembler.completion().message.tool_calls
     assert (made.id, made.name, made.arguments) == ("call_1", "clock", "{}")
+
+
+async def test_a_client_of_one_connection_gives_its_turn_back_however_a_request_ends(fake_model: FakeModel) -> None:
+    # Requests past the connections wait their turn in the client: one that failed, was cut
+    # short mid-answer, or was cancelled holding the connection, waiting for it, or waiting for
+    # its answer to start must give its turn back, or every later request would wait for ever.
+    fake_model.script = [
+        ErrorReply(400),
+        Reply(text="The lease expired.", chunk_chars=4),
+        Reply(text="The lease", chunk_chars=32, hang_after_chunks=2),
+        Reply(text="not yet", delay_s=DEADLINE_S),
+        Reply(text="answered"),
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_connections=1)) as client:
+            with pytest.raises(ModelError):
+                await client.complete(ASK)
+            async with client.stream(ASK) as chunks:
+                async for _delta in chunks:
+                    break  # the caller stops reading: the answer is cut short
+            holding = trio.Event()
+
+            async def hold() -> None:
+                async with client.stream(ASK) as chunks:
+                    async for _delta in chunks:
+                        holding.set()  # its answer hangs after this: it holds the connection
+
+            with trio.CancelScope() as both:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(hold)
+                    await holding.wait()
+                    nursery.start_soon(read_stream, client)  # waits its turn
+                    await trio.testing.wait_all_tasks_blocked()
+                    both.cancel()
+            with trio.CancelScope() as unanswered:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(client.complete, ASK)  # cancelled before its answer's head comes
+                    await trio.testing.wait_all_tasks_blocked()
+                    unanswered.cancel()
+            assert (await client.complete(ASK)).message.text == "answered"
