@@ -358,8 +358,10 @@ async def test_a_bound_on_closing_a_pool_holds_while_a_call_is_stalled_and_the_t
 ) -> None:
     pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
     started, release = threading.Event(), threading.Event()
+    threads: list[threading.Thread] = []
 
     def stalled_write(conn: sqlite3.Connection) -> None:  # a disk that stopped answering
+        threads.append(threading.current_thread())  # the pool's: it may have ended by the time the test looks
         started.set()
         release.wait(10)
         conn.execute("INSERT INTO app_states VALUES ('stalled', '{}', 0)")
@@ -371,7 +373,7 @@ async def test_a_bound_on_closing_a_pool_holds_while_a_call_is_stalled_and_the_t
             await pool.aclose()
         assert bound.cancelled_caught, "aclose() waited past its bound for the stalled call"
         release.set()  # the disk answers: the call finishes, and the thread closes the file after it
-    [thread] = [t for t in threading.enumerate() if t.name == "sqlite runtime.db"]
+    [thread] = threads
     await trio.to_thread.run_sync(thread.join, 10)
     assert not thread.is_alive()
     with closing(sqlite3.connect(tmp_path / "runtime.db")) as conn:
