@@ -5,9 +5,10 @@ HTTP handlers call ``send``, ``wait_settled``, ``cancel``, ``get``, ``list_tasks
 client that goes away ends only its own subscription.
 
 Here: the runner's life (start, drain, stop), a new task's intake, and each run from its start
-to its stored end. A message to a task that exists is ``runtime/steering.py``'s, the order of a
-conversation's turns ``runtime/turns.py``'s, what clients read of a task ``runtime/reads.py``'s,
-and how a run or a CancelTask ends a task ``runtime/endings.py``'s.
+to its stored end. What a run does in between, its task's turn, is ``runtime/agent_turn.py``'s;
+a message to a task that exists ``runtime/steering.py``'s, the order of a conversation's turns
+``runtime/turns.py``'s, what clients read of a task ``runtime/reads.py``'s, and how a run or a
+CancelTask ends a task ``runtime/endings.py``'s.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import trio
 import persistence.errors as store_errors
 from persistence.api import SessionStore, TaskStore
 from persistence.locks import TurnLocks
-from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import (
     END_LEFT_FOR_NEXT,
@@ -38,23 +38,9 @@ from protocol import (
     UnsupportedOperation,
 )
 from protocol.errors import quoted
-from runtime.agent import AgentError, AgentRun, AgentSpec, BudgetExhausted, MaxStepsReached, Model
-from runtime.endings import (
-    CANCELED,
-    OVERTAKEN,
-    SHUT_DOWN,
-    Outcome,
-    Working,
-    answer_streamer,
-    answered,
-    cancel_task,
-    completed,
-    keeping_answer,
-    settle,
-    turn_of,
-    unless_settled,
-)
-from runtime.models import ModelError
+from runtime.agent import AgentSpec, Model
+from runtime.agent_turn import TurnTaker, orphan_outcome
+from runtime.endings import CANCELED, SHUT_DOWN, Outcome, cancel_task, keeping_answer, settle, unless_settled
 from runtime.reads import Reads
 from runtime.resent import check_same
 from runtime.steering import Steering
@@ -64,7 +50,6 @@ from runtime.tasks import (
     StreamItem,
     decode,
     encode,
-    message_text,
     new_id,
     readable_text,
     refuse_oversize,
@@ -113,6 +98,7 @@ class Runner:
     # them yet, so that turn need not read one. The task id is the task that minted it.
     _fresh: dict[str, str] = attrs.field(init=False, factory=dict)
     _turns: Turns = attrs.field(init=False)  # which runs hold or wait for each conversation's turn
+    _taker: TurnTaker = attrs.field(init=False)  # what each run does: its task's turn
     _steering: Steering = attrs.field(init=False)  # the messages sent to a task that exists
     _reads: Reads = attrs.field(init=False)  # the tasks as clients read them
     _message_turns: TurnLocks = attrs.field(init=False, factory=TurnLocks)  # by messageId: see send
@@ -130,6 +116,9 @@ class Runner:
 
     def __attrs_post_init__(self) -> None:
         self._turns = Turns(self.sessions)
+        self._taker = TurnTaker(
+            self.sessions, self.tasks, self.model, self.agent, self._turns, self._fresh, model_endpoint=self.config.model_endpoint
+        )
         self._steering = Steering(self.sessions, self.tasks, self._live, self._turns)
         self._reads = Reads(self.tasks, self._live)
 
@@ -395,7 +384,7 @@ class Runner:
         final: Outcome | None = None
         try:
             with live.scope:
-                final = await self._turn(live)
+                final = await self._taker.take(live)
         except Exception:
             logger.exception("task %s failed inside the runner", live.task.id)
             final = settle(TaskState.FAILED, "The task failed with an internal error.")
@@ -465,67 +454,6 @@ class Runner:
             except (store_errors.StoreError, TimeoutError) as exc:
                 logger.warning("task %s: the steers its run never took could not be dropped: %s", live.task.id, exc)
 
-    async def _turn(self, live: LiveTask) -> Outcome:
-        """One turn on the task's session: the agent loop, WORKING durable before the model is
-        called, then the outcome (COMPLETED or FAILED) for ``_execute`` to persist."""
-        task = live.task
-        session = Session.open(task.context_id, self.sessions, task_id=task.id)
-        async with self._turns.taking(live):
-            # The first turn of a context minted for this task has nothing stored to read. (Only
-            # the reply to this task's send names that context, and this run takes the lock in
-            # its first step, long before another request could: no other turn comes first.)
-            fresh = self._fresh.pop(task.context_id, None) == task.id
-            messages = [] if fresh else await session.messages()
-            turn, overtaken = turn_of(messages, task.id)
-            if live.resuming:  # steers were refused until now: one taken for a turn already over would ride no request
-                async with live.steers.lock:
-                    live.resuming = False
-                    live.steers.closed = bool(turn) and (answered(turn) or overtaken)
-            if not turn:
-                # The turn's first run, or its process died before the question was saved.
-                messages.append(Transcribed(role="user", text=message_text(task.history[0]), turn_id=task.id))
-            elif answered(turn):
-                # Its process died after the answer was saved but before the task said so.
-                return completed(live, turn[-1].text)
-            elif overtaken:
-                # Its run ended unanswered (it failed, say) and that end was never stored; the
-                # conversation has gone on since. Asked now, the model would answer the later turn.
-                return settle(TaskState.FAILED, OVERTAKEN)
-            # Otherwise a resumed run continues from the transcript as saved: the step in flight
-            # when the process died is done again (see AgentRun._ask).
-            #
-            # WORKING goes to tasks.db while the loop saves the transcript to runtime.db; the
-            # model is asked once both are durable. The nursery is this turn's, and lives no
-            # longer than the loop.
-            working = Working(live, self.tasks)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(working.write)
-                run = AgentRun(
-                    self.model, self.agent, messages, session=session, on_event=answer_streamer(live), ready=working.wait,
-                    gate=live.steers, calls_made=sum(message.role == "assistant" for message in turn),
-                )  # fmt: skip
-                try:
-                    result = await run.run()
-                except (AgentError, ModelError) as exc:
-                    self._say_failed(task, exc)
-                    if isinstance(exc, (BudgetExhausted, MaxStepsReached)):  # the model was still calling tools
-                        live.drop_answer()
-                    return settle(TaskState.FAILED, f"The task failed: {exc}")
-        return completed(live, result.output)
-
-    def _say_failed(self, task: Task, exc: AgentError | ModelError) -> None:
-        """One line: a model that failed is the operator's to look at, named with where it is
-        served and what it said; a turn the agent ended (its budget spent, say) is not."""
-        about = f"task {task.id} (context {task.context_id}) failed: {exc}"
-        if isinstance(exc, ModelError):
-            where = f"; the model server is {self.config.model_endpoint}" if self.config.model_endpoint else ""
-            said = f"; it said: {exc.detail}" if exc.detail else ""
-            logger.warning("%s%s%s", about, where, said)
-        elif exc.__cause__ is None:
-            logger.info("%s", about)
-        else:  # a store failure: what it said is for the log alone
-            logger.warning("%s, from %r", about, exc.__cause__)
-
     async def _adopt_orphans(self) -> None:
         """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left
         hanging. Those of one context take their turns in the order they were created."""
@@ -545,21 +473,7 @@ class Runner:
                 live.resuming = True
                 self._start(live)
                 continue
-            await live.persist(self.tasks, await self._orphan_failed(task, live))
-
-    async def _orphan_failed(self, task: Task, live: LiveTask) -> Outcome:
-        """What ``AGENT_ORPHANS=fail`` makes of an orphan: FAILED, unless its process stored the
-        turn's answer before it stopped. That answer is in the conversation the model reads next,
-        so the task says so (COMPLETED, without asking the model anything), rather than tell
-        its client there was none."""
-        turn, _ = turn_of(await Session.open(task.context_id, self.sessions).messages(), task.id)
-        if turn and answered(turn):
-            logger.info("completing task %s left %s by a process that stopped: its answer was stored", task.id, task.status.state.value)
-            return completed(live, turn[-1].text)
-        logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)
-        reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
-        return settle(TaskState.FAILED, reason)
-
+            await live.persist(self.tasks, await orphan_outcome(self.sessions, task, live))
 
 @attrs.define(eq=False)
 class _Count:

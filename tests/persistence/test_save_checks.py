@@ -82,7 +82,7 @@ async def test_a_transcript_read_back_is_compared_by_identity_from_its_second_sa
     open_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every turn of the runner after a context's first reads the transcript back
-    # (runner._turn: `messages = await session.messages()`), so its first save gives objects
+    # (TurnTaker.take: `messages = await session.messages()`), so its first save gives objects
     # equal to, not the same as, the ones the store kept. From then on the store keeps the
     # caller's: its later saves are compared by identity, not message by message in Python (and
     # the store does not keep a second copy of every message alive besides the caller's).

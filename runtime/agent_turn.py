@@ -1,0 +1,117 @@
+"""One task's turn: the agent loop run on its conversation, to the outcome the runner stores.
+
+Apart from the runner, which owns when a run starts and how its end is stored: this is what a run
+does in between. It reads the conversation, sees how far a process that stopped got with this
+turn (answered, overtaken by a later turn, or to be asked again from the step in flight), and runs
+the loop with WORKING durable before the model is asked. A task that process left, with
+``AGENT_ORPHANS=fail``, is settled here too, from what its turn holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import trio
+
+from persistence.api import SessionStore, TaskStore
+from persistence.session import Session
+from persistence.transcript import Message as Transcribed
+from protocol import Task, TaskState
+from runtime.agent import AgentError, AgentRun, AgentSpec, BudgetExhausted, MaxStepsReached, Model
+from runtime.endings import OVERTAKEN, Outcome, Working, answer_streamer, answered, completed, settle, turn_of
+from runtime.models import ModelError
+from runtime.tasks import LiveTask, message_text
+from runtime.turns import Turns
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class TurnTaker:
+    """Takes a task's turn (``take``), for the runner's runs."""
+
+    sessions: SessionStore
+    tasks: TaskStore
+    model: Model
+    agent: AgentSpec
+    turns: Turns
+    # Contexts the runner minted for a task whose first turn has not begun (by context: the
+    # task's id): nothing is stored for them yet, so that turn need not read the conversation.
+    fresh: dict[str, str]
+    model_endpoint: str = ""  # where the model is served, for the log (no credentials)
+
+    async def take(self, live: LiveTask) -> Outcome:
+        """One turn on the task's session: the agent loop, WORKING durable before the model is
+        called, then the outcome (COMPLETED or FAILED) for the runner to store."""
+        task = live.task
+        session = Session.open(task.context_id, self.sessions, task_id=task.id)
+        async with self.turns.taking(live):
+            # The first turn of a context minted for this task has nothing stored to read. (Only
+            # the reply to this task's send names that context, and this run takes the lock in
+            # its first step, long before another request could: no other turn comes first.)
+            fresh = self.fresh.pop(task.context_id, None) == task.id
+            messages = [] if fresh else await session.messages()
+            turn, overtaken = turn_of(messages, task.id)
+            if live.resuming:  # steers were refused until now: one taken for a turn already over would ride no request
+                async with live.steers.lock:
+                    live.resuming = False
+                    live.steers.closed = bool(turn) and (answered(turn) or overtaken)
+            if not turn:
+                # The turn's first run, or its process died before the question was saved.
+                messages.append(Transcribed(role="user", text=message_text(task.history[0]), turn_id=task.id))
+            elif answered(turn):
+                # Its process died after the answer was saved but before the task said so.
+                return completed(live, turn[-1].text)
+            elif overtaken:
+                # Its run ended unanswered (it failed, say) and that end was never stored; the
+                # conversation has gone on since. Asked now, the model would answer the later turn.
+                return settle(TaskState.FAILED, OVERTAKEN)
+            # Otherwise a resumed run continues from the transcript as saved: the step in flight
+            # when the process died is done again (see AgentRun._ask).
+            #
+            # WORKING goes to tasks.db while the loop saves the transcript to runtime.db; the
+            # model is asked once both are durable. The nursery is this turn's, and lives no
+            # longer than the loop.
+            working = Working(live, self.tasks)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(working.write)
+                run = AgentRun(
+                    self.model, self.agent, messages, session=session, on_event=answer_streamer(live), ready=working.wait,
+                    gate=live.steers, calls_made=sum(message.role == "assistant" for message in turn),
+                )  # fmt: skip
+                try:
+                    result = await run.run()
+                except (AgentError, ModelError) as exc:
+                    self._say_failed(task, exc)
+                    if isinstance(exc, (BudgetExhausted, MaxStepsReached)):  # the model was still calling tools
+                        live.drop_answer()
+                    return settle(TaskState.FAILED, f"The task failed: {exc}")
+        return completed(live, result.output)
+
+    def _say_failed(self, task: Task, exc: AgentError | ModelError) -> None:
+        """One line: a model that failed is the operator's to look at, named with where it is
+        served and what it said; a turn the agent ended (its budget spent, say) is not."""
+        about = f"task {task.id} (context {task.context_id}) failed: {exc}"
+        if isinstance(exc, ModelError):
+            where = f"; the model server is {self.model_endpoint}" if self.model_endpoint else ""
+            said = f"; it said: {exc.detail}" if exc.detail else ""
+            logger.warning("%s%s%s", about, where, said)
+        elif exc.__cause__ is None:
+            logger.info("%s", about)
+        else:  # a store failure: what it said is for the log alone
+            logger.warning("%s, from %r", about, exc.__cause__)
+
+
+async def orphan_outcome(sessions: SessionStore, task: Task, live: LiveTask) -> Outcome:
+    """What ``AGENT_ORPHANS=fail`` makes of an orphan: FAILED, unless its process stored the
+    turn's answer before it stopped. That answer is in the conversation the model reads next,
+    so the task says so (COMPLETED, without asking the model anything), rather than tell
+    its client there was none."""
+    turn, _ = turn_of(await Session.open(task.context_id, sessions).messages(), task.id)
+    if turn and answered(turn):
+        logger.info("completing task %s left %s by a process that stopped: its answer was stored", task.id, task.status.state.value)
+        return completed(live, turn[-1].text)
+    logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)
+    reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
+    return settle(TaskState.FAILED, reason)
