@@ -33,6 +33,7 @@ from persistence.journal import JOURNAL_NAME, QUARANTINE_PREFIX, STAGING_PREFIX,
 from persistence.journal import publish_journal, stage_journal, temp_name
 from persistence.manifest import Manifest, read_snapshot
 from persistence.recovery import recover_locked
+from persistence.refusals import refusal
 from persistence.rollback import assert_live, cleanup, discard_unpublished, roll_back
 from persistence.statedir import (
     LOCK_NAMES,
@@ -49,7 +50,6 @@ from persistence.statedir import (
     make_fresh_dir,
     make_state_dir,
     other_programs_databases,
-    refusal,
     require_directory,
     write_all,
 )

@@ -24,13 +24,13 @@ from pathlib import Path
 
 from persistence.manifest import FORMAT_VERSION, MANIFEST_NAME, MARKER_NAME, DatabaseEntry, Manifest, check_supported
 from persistence.recovery import recover, recover_locked
+from persistence.refusals import cannot_create, not_a_directory_to_use, refusal, write_refused
 from persistence.schema import read_identity
 from persistence.sqlite import create_private, immutable_uri
 from persistence.statedir import (
     DIR_MODE,
     PRIVATE_MODE,
     SnapshotError,
-    cannot_create,
     encode_document,
     file_evidence,
     fsync_dir,
@@ -38,10 +38,7 @@ from persistence.statedir import (
     is_db_name,
     make_dirs,
     nearest_existing,
-    not_a_directory_to_use,
-    refusal,
     write_new_file,
-    write_refused,
 )
 from persistence.statelocks import generation_lock, in_use, written_by_no_one
 

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import overload
 
+from persistence.refusals import refusal
 from persistence.statedir import (
     CHOOSE_ANOTHER,
     GENERATION_LOCK_NAME,
@@ -41,7 +42,6 @@ from persistence.statedir import (
     StateBusy,
     StateError,
     UnusableStateDir,
-    refusal,
     require_directory,
 )
 

@@ -25,22 +25,11 @@ import attrs
 
 from persistence.errors import StoreError
 from persistence.recovery import check_recoverable
+from persistence.refusals import cannot_create, not_a_directory, not_a_directory_to_use, not_under, write_refused
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.snapshot import anothers_backup_root
 from persistence.sqlite import inspect
-from persistence.statedir import (
-    SnapshotError,
-    UnusableStateDir,
-    cannot_create,
-    nearest_existing,
-    not_a_directory,
-    not_a_directory_to_use,
-    not_under,
-    require_writable,
-    too_full,
-    try_state_dir,
-    write_refused,
-)
+from persistence.statedir import SnapshotError, UnusableStateDir, nearest_existing, require_writable, too_full, try_state_dir
 from persistence.tasks import TASKS_SCHEMA
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
 from runtime.models.endpoint import MISPLACED_AT, misplaced_at, port_unusable

@@ -1,0 +1,248 @@
+"""The session store's transactions, and what the writer's connection knows of each session.
+
+Each ``*_txn`` runs on the connection its caller hands it, in the pool's thread: inside a batch's
+transaction of the group-commit writer, or (``length_txn``, for a read) as a call on the pool.
+Those that write events or take steers are given the writer's ``SessionLengths`` and keep it up
+to date, so that an append is one INSERT and a save reads nothing back. Apart from
+``persistence.sessions``, which holds the schema and the store: the store checks what it is given
+and submits these, and keeps to itself only its reads and the states' one-statement writes.
+``now_ms`` is the clock the stores stamp their rows with.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from persistence.api import DEFAULT_APP_NAME, SteerReceipt
+from persistence.errors import TranscriptConflict
+from persistence.transcript import Message
+from persistence.validate import lone_surrogate, plan_save
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def ensure_txn(conn: sqlite3.Connection, session_id: str, app_name: str, user_id: str, now: int) -> int:
+    """Create the session if it is new (concurrent first uses create one row); return its length."""
+    created = conn.execute(
+        "INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES (?, ?, ?, ?, ?)"
+        " ON CONFLICT (session_id) DO NOTHING",
+        (session_id, app_name, user_id, now, now),
+    ).rowcount
+    # A session created just now has no events (each event's row refers to its session's).
+    return 0 if created else length_txn(conn, session_id)
+
+
+def length_txn(conn: sqlite3.Connection, session_id: str) -> int:
+    if lone_surrogate(session_id):  # never stored: refused on the way in (and unbindable)
+        return 0
+    # One seek in the primary key's index: a session's length is where its events end.
+    (length,) = conn.execute(
+        "SELECT coalesce(max(seq) + 1, 0) FROM events WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    return int(length)
+
+
+@attrs.define(eq=False)
+class SessionLengths:
+    """What the writer's connection knows of each session it wrote: its length, the messages its
+    events hold (the objects the saves were given), and whether it has steers waiting. An append
+    is then one INSERT, and a save (which checks that it extends what is stored, and takes the
+    steers) reads nothing back.
+
+    Batch hooks of the group-commit writer; touched only in the pool's thread. What is known is
+    trusted only while no other connection has committed (``PRAGMA data_version`` changes when
+    one has: another process's steer, say). In a batch's fast path the events are inserted
+    together, before COMMIT. Every statement spared is several calls into SQLite spared, each
+    of which lets go of the GIL and must take it back, which under load is a wait.
+    """
+
+    data_version: int | None = None
+    known: dict[str, int] = attrs.field(factory=dict)
+    # The first events of a session, as messages a save was given and found (or made) them to be.
+    verified: dict[str, list[Message]] = attrs.field(factory=dict)
+    no_steers: set[str] = attrs.field(factory=set)  # sessions with no steer waiting
+    max_known: int = 10_000  # then forgotten: a cache, not a record of every session ever written
+    max_verified_chars: int = 64 << 20  # likewise once the messages kept come to this many characters stored
+    verified_chars: int = 0
+    rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
+    careful: bool = False  # a savepoint per write: insert at once, inside it
+    now: int = 0
+
+    def begin(self, conn: sqlite3.Connection, *, careful: bool) -> None:
+        (version,) = conn.execute("PRAGMA data_version").fetchone()
+        if (
+            version != self.data_version
+            or len(self.known) > self.max_known
+            or len(self.no_steers) > self.max_known
+            or self.verified_chars > self.max_verified_chars
+        ):
+            self.forget()
+            self.data_version = version
+        self.rows.clear()
+        self.careful = careful
+        self.now = now_ms()
+
+    def flush(self, conn: sqlite3.Connection) -> None:
+        """Insert the events queued so far; before anything reads the events table."""
+        if self.rows:
+            # Taken off the queue first: rows whose insert fails belong to the write that fails
+            # (careful mode undoes it alone), and must not be sent again with the next one's.
+            rows, self.rows = self.rows, []
+            conn.executemany(_INSERT_EVENT, rows)
+
+    def finish(self, conn: sqlite3.Connection) -> None:
+        self.flush(conn)
+
+    def abort(self) -> None:
+        self.data_version = None
+        self.forget()
+        self.rows.clear()
+
+    def item_failed(self) -> None:
+        # The failed write may have created a session row, or taken positions or steers, that
+        # its savepoint undid; in careful mode the tables themselves are accurate, so ask them.
+        self.forget()
+
+    def forget(self) -> None:
+        self.known.clear()
+        self.verified.clear()
+        self.verified_chars = 0
+        self.no_steers.clear()
+
+    def length(self, conn: sqlite3.Connection, session_id: str) -> int:
+        length = self.known.get(session_id)
+        if length is None:
+            length = self.known[session_id] = ensure_txn(conn, session_id, DEFAULT_APP_NAME, "", self.now)
+        return length
+
+    def insert(self, conn: sqlite3.Connection, session_id: str, at: int, author: str, contents: Sequence[str]) -> None:
+        """Write events at positions at, at+1, ...: queued for one INSERT of the whole batch, or
+        at once in careful mode."""
+        self.rows.extend((session_id, at + i, author, self.now, content) for i, content in enumerate(contents))
+        if self.careful:
+            self.flush(conn)
+        self.known[session_id] = at + len(contents)
+
+    def verified_prefix(self, session_id: str, stored: int) -> list[Message]:
+        """The messages known to be the session's first events (of ``stored``, from ``length()``)."""
+        verified = self.verified.get(session_id)
+        if verified is None or len(verified) > stored:
+            verified = self.verified[session_id] = []
+        return verified
+
+    def stored_from(self, conn: sqlite3.Connection, session_id: str, start: int) -> list[str]:
+        """The contents of the session's events from position ``start`` on."""
+        self.flush(conn)
+        contents = [
+            content
+            for (content,) in conn.execute(
+                "SELECT content FROM events WHERE session_id = ? AND seq >= ? ORDER BY seq", (session_id, start)
+            )
+        ]
+        self.verified_chars += sum(map(len, contents))
+        return contents
+
+    def written(self, contents: Sequence[str]) -> None:
+        """``contents`` were just written, and their messages kept (by ``plan_save``)."""
+        self.verified_chars += sum(map(len, contents))
+
+
+_INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
+
+
+def append_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, contents: Sequence[str], at: int | None, author: str
+) -> int:
+    start = lengths.length(conn, session_id)
+    if at is not None and start != at:
+        raise TranscriptConflict(session_id, f"an append at position {at} does not follow the {start} stored events")
+    lengths.insert(conn, session_id, start, author, contents)
+    return start
+
+
+def save_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, messages: Sequence[Message], max_bytes: int
+) -> None:
+    stored = lengths.length(conn, session_id)
+    contents = plan_save(
+        session_id,
+        messages,
+        stored=stored,
+        verified=lengths.verified_prefix(session_id, stored),
+        stored_from=lambda start: lengths.stored_from(conn, session_id, start),
+        max_bytes=max_bytes,
+    )
+    if contents:
+        lengths.insert(conn, session_id, stored, "agent", contents)
+        lengths.written(contents)
+
+
+def take_steers_txn(
+    conn: sqlite3.Connection, lengths: SessionLengths, session_id: str, for_task: str | None = None
+) -> list[str]:
+    if session_id in lengths.no_steers or lone_surrogate(session_id):
+        return []
+    rows = conn.execute("SELECT id, text, task_id FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
+    if rows:
+        conn.execute("DELETE FROM steers WHERE session_id = ? AND id <= ?", (session_id, rows[-1][0]))
+    lengths.no_steers.add(session_id)
+    return [text for _, text, task_id in rows if for_task is None or task_id is None or task_id == for_task]
+
+
+def drop_steers_txn(conn: sqlite3.Connection, session_id: str, task_id: str) -> None:
+    if not (lone_surrogate(session_id) or lone_surrogate(task_id)):  # never stored
+        conn.execute("DELETE FROM steers WHERE session_id = ? AND task_id = ?", (session_id, task_id))
+
+
+def add_steer_txn(
+    conn: sqlite3.Connection,
+    lengths: SessionLengths,
+    session_id: str,
+    text: str,
+    message_id: str | None,
+    receipt: SteerReceipt,
+    record: str | None,
+) -> bool:
+    now = now_ms()
+    if message_id is not None and not conn.execute(
+        "INSERT INTO steer_receipts (session_id, message_id, task_id, sent_sha256, created_at_ms, record)"
+        " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+        (session_id, message_id, receipt.task_id, receipt.sent_sha256, now, record),
+    ).rowcount:
+        return False
+    conn.execute(
+        "INSERT INTO steers (session_id, text, task_id, created_at_ms) VALUES (?, ?, ?, ?)",
+        (session_id, text, receipt.task_id, now),
+    )
+    lengths.no_steers.discard(session_id)
+    return True
+
+
+def steers_recorded_txn(conn: sqlite3.Connection, session_id: str, message_ids: Sequence[str]) -> None:
+    conn.executemany(
+        "UPDATE steer_receipts SET record = NULL WHERE session_id = ? AND message_id = ?",
+        [(session_id, message_id) for message_id in message_ids],
+    )
+
+
+def save_and_take_txn(
+    conn: sqlite3.Connection,
+    lengths: SessionLengths,
+    session_id: str,
+    messages: Sequence[Message],
+    max_bytes: int,
+    placed: Callable[[str], Message] | None,
+    for_task: str | None,
+) -> list[str]:
+    # Taken first, to be saved with the transcript; a save that fails undoes the take with it.
+    taken = take_steers_txn(conn, lengths, session_id, for_task)
+    if placed is not None and taken:
+        messages = [*messages, *map(placed, taken)]
+    save_txn(conn, lengths, session_id, messages, max_bytes)
+    return taken
