@@ -6,7 +6,8 @@ call sends the whole request it is given. Failures before the server has started
 exponential backoff. Once the server has answered 2xx the call is never retried, streamed or not:
 part of the answer may already be in the caller's hands, and a second request would say it twice.
 Which failure is which ModelError, and which may be retried, is ``runtime.models.failures``; where
-the server is, and the secrets its URL may carry, ``runtime.models.endpoint``.
+the server is, and the secrets its URL may carry, ``runtime.models.endpoint``; how each request
+goes over the wire (its turn for a connection, its body) ``runtime.models.transport``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from runtime.models.errors import ModelBadResponse, ModelError, ModelTimeout
 from runtime.models.failures import (
     Failure, broken_answer, failure_of_status, failure_to_send, part_awaited, refuses_stream_options,
 )
+from runtime.models.transport import QueuedTransport, with_whole_body
 from runtime.models.values import ChatRequest, Completion, Delta, Finish, TextDelta
 from runtime.models.wire import SAID_CHARS, parse_completion, request_body
 
@@ -52,95 +54,12 @@ async def open_model_client(config: ModelConfig) -> AsyncIterator[ModelClient]:
     model server is reached directly.
     """
     limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
-    transport = _Queued(httpx.AsyncHTTPTransport(limits=limits, trust_env=False), config.max_connections)
+    transport = QueuedTransport(httpx.AsyncHTTPTransport(limits=limits, trust_env=False), config.max_connections)
     async with httpx.AsyncClient(trust_env=False, follow_redirects=False, transport=transport) as http:
         yield ModelClient(config, http)
 
 
-class _Queued(httpx.AsyncBaseTransport):
-    """``transport``, handed at most ``max_requests`` requests at once (one a connection of its
-    pool); the others wait their turn here, first come first served.
-
-    httpcore's pool looks at every request waiting in it for each one that starts or ends: with
-    hundreds waiting for a slow model, that work grew as their square. 500 runs cancelled at once
-    (a drain's end) kept the event loop busy 9 s past the drain, and 500 sends queued took 27 s.
-    """
-
-    def __init__(self, transport: httpx.AsyncBaseTransport, max_requests: int) -> None:
-        self._transport = transport
-        self._turns = trio.CapacityLimiter(max_requests)
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        turn = object()  # released by whichever task closes the response
-        await self._turns.acquire_on_behalf_of(turn)
-        try:
-            response = await self._transport.handle_async_request(request)
-        except BaseException:
-            self._turns.release_on_behalf_of(turn)
-            raise
-        assert isinstance(response.stream, httpx.AsyncByteStream), "an async transport's"
-        response.stream = _Releasing(response.stream, self._turns, turn)
-        return response
-
-    async def aclose(self) -> None:
-        await self._transport.aclose()
-
-
-class _Releasing(httpx.AsyncByteStream):
-    """A response's body that gives its request's turn back once it is closed."""
-
-    def __init__(self, body: httpx.AsyncByteStream, turns: trio.CapacityLimiter, turn: object) -> None:
-        self._body, self._turns, self._turn = body, turns, turn
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._body.__aiter__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._body.aclose()
-        finally:
-            if self._turn is not None:
-                self._turns.release_on_behalf_of(self._turn)
-                self._turn = None
-
-
 AFTER_DONE_S = 1.0  # how long the body may stay open after [DONE] before it is let go
-
-
-class _Body(httpx.AsyncByteStream):
-    """A request's body, whose iterators are not async generators.
-
-    httpx's own body for ``json=`` is one, and a send cancelled while it writes the body (a run
-    cancelled while it asks the model) leaves that generator unfinished, for the collector to
-    finalize later with a ResourceWarning."""
-
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-
-    def __aiter__(self) -> _OneChunk:
-        return _OneChunk(self._body)
-
-
-def with_whole_body(request: httpx.Request) -> httpx.Request:
-    """``request``, its body sent as one chunk by an iterator that is not an async generator: one
-    a cancelled send can leave unfinished without a ResourceWarning (see _Body)."""
-    request.stream = _Body(request.content)
-    return request
-
-
-class _OneChunk:
-    def __init__(self, body: bytes) -> None:
-        self._body: bytes | None = body
-
-    def __aiter__(self) -> _OneChunk:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._body is None:
-            raise StopAsyncIteration
-        body, self._body = self._body, None
-        return body
-
 
 
 # A body of text/html: a proxy's or a login page's, not the API's.

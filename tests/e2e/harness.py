@@ -21,7 +21,7 @@ import httpx
 import trio
 
 from protocol import SseParser
-from runtime.models.client import with_whole_body
+from runtime.models.transport import with_whole_body
 
 STARTUP_DEADLINE_S = 30
 SERVING = re.compile(rb"keel serving A2A at (\S+)")
