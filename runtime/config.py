@@ -145,10 +145,19 @@ TASKS_FILE = "tasks.db"
 
 def preflight(state_dir: Path) -> None:
     """Refuse databases (with their SQLite files) this user may not read and write, and those
-    this build cannot use, reading only. Blocking: run it in a thread."""
+    this build cannot use, reading only: StoreError for one, and an ExceptionGroup of them when
+    both are, so that each is named at once. Blocking: run it in a thread."""
     require_writable(state_dir, [name + suffix for name in (SESSIONS_FILE, TASKS_FILE) for suffix in ("", "-wal", "-shm")])
-    inspect(state_dir / SESSIONS_FILE, SESSIONS_SCHEMA)
-    inspect(state_dir / TASKS_FILE, TASKS_SCHEMA)
+    unusable: list[StoreError] = []
+    for name, schema in ((SESSIONS_FILE, SESSIONS_SCHEMA), (TASKS_FILE, TASKS_SCHEMA)):
+        try:
+            inspect(state_dir / name, schema)
+        except StoreError as exc:
+            unusable.append(exc)
+    if len(unusable) > 1:
+        raise ExceptionGroup("databases this build cannot use", unusable)
+    if unusable:
+        raise unusable[0]
 
 
 def _can_make_state_dir(path: Path) -> None:
@@ -166,6 +175,8 @@ def _can_make_state_dir(path: Path) -> None:
         raise ValueError(exc.why) from None
     except StoreError as exc:  # a database this build cannot use (SchemaError), or cannot read now
         raise ValueError(str(exc)) from None
+    except ExceptionGroup as group:  # both databases (preflight)
+        raise ValueError("; ".join(map(str, group.exceptions))) from None
 
 
 def os_error_text(exc: OSError) -> str:

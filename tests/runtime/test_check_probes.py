@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 
@@ -82,6 +84,27 @@ def test_check_reads_the_databases_as_serve_would_and_names_one_it_cannot_use(
     assert f"AGENT_STATE_DIR='{state}' is not valid: " in checked.stderr and said in checked.stderr, checked.stderr
     assert "Traceback" not in checked.stderr
     assert sorted(path.name for path in state.iterdir()) == before  # read only: nothing made, nothing changed
+
+
+async def test_check_and_serve_name_every_database_they_cannot_use_at_once(tmp_path: Path) -> None:
+    # Both files changed by another program: naming only runtime.db sent the operator back to
+    # check, and then to serve, a second time to learn of tasks.db.
+    state = tmp_path / "state"
+    state.mkdir()
+    async with open_session_store(state / "runtime.db"), open_task_store(state / "tasks.db"):
+        pass
+    for name, change in (("runtime.db", "CREATE TABLE notes (x)"), ("tasks.db", "ALTER TABLE tasks ADD COLUMN priority INTEGER")):
+        with closing(sqlite3.connect(state / name)) as conn:
+            conn.execute(change)
+    env = {"AGENT_STATE_DIR": str(state)}
+
+    checked = await trio.to_thread.run_sync(partial(run_cli, "check", env=env))
+    served = await trio.to_thread.run_sync(partial(run_cli, "serve", "--port", "0", env=env))
+
+    named = [f"{state / 'runtime.db'}: has table notes", f"{state / 'tasks.db'}: has column tasks.priority"]
+    assert checked.returncode == 1 and all(said in checked.stderr for said in named), checked.stderr
+    assert served.returncode == 1 and "keel serving" not in served.stdout, served.stdout
+    assert all(said in served.stderr for said in named) and "Traceback" not in served.stderr, served.stderr
 
 
 async def test_check_of_a_state_directory_a_stopped_server_left_makes_nothing_beside_its_databases(tmp_path: Path) -> None:
