@@ -189,21 +189,25 @@ class Schema:
         missing = [f"table {t}" for t in expected if t not in found] + [
             f"column {t}.{c}" for t in expected if t in found for c in expected[t] if c not in found[t]
         ]
+        added = [f"table {t}" for t in found if t not in expected] + [
+            f"column {t}.{c}" for t in found if t in expected for c in found[t] if c not in expected[t]
+        ]
+        unknown = f"{', '.join(added)}, which {self.name}@{version} does not have (another program, or another build, changed it)"
+        if missing and added:  # both named: a rename, say, is told for what it is
+            raise SchemaError(
+                path,
+                f"has an incomplete {self.name} schema (missing {', '.join(missing)}, and has {unknown})",
+                "Undo what was changed (ALTER TABLE ... RENAME COLUMN, ... DROP COLUMN, DROP TABLE), or restore a good snapshot",
+            )
         if missing:
             raise SchemaError(
                 path,
                 f"has an incomplete {self.name} schema (missing {', '.join(missing)})",
                 "Restore a good snapshot, or move the file aside to start empty",
             )
-        added = [f"table {t}" for t in found if t not in expected] + [
-            f"column {t}.{c}" for t in found if t in expected for c in found[t] if c not in expected[t]
-        ]
         if added:
             raise SchemaError(
-                path,
-                f"has {', '.join(added)}, which {self.name}@{version} does not have (another program, or another build,"
-                " changed it)",
-                "Remove what was added (DROP TABLE, ALTER TABLE ... DROP COLUMN), or restore a good snapshot",
+                path, f"has {unknown}", "Remove what was added (DROP TABLE, ALTER TABLE ... DROP COLUMN), or restore a good snapshot"
             )
 
     def layout(self, version: int) -> Mapping[str, tuple[str, ...]]:

@@ -706,6 +706,12 @@ def make_with_another_table(path: Path) -> None:
     make_current(path, "CREATE TABLE task_archive (id TEXT PRIMARY KEY, task TEXT)")
 
 
+def make_with_a_column_renamed(path: Path) -> None:
+    # Missing one column and with one it does not know: both are named, so that a rename can be
+    # told for what it is, and undone, rather than the file moved aside with every task in it.
+    make_current(path, "ALTER TABLE tasks RENAME COLUMN message_id TO msg_id")
+
+
 def make_garbage(path: Path) -> None:
     path.write_bytes(b"this is not a database, it is a text file " * 100)
 
@@ -719,6 +725,11 @@ REFUSALS = [
     (make_without_a_column, "incomplete keel.tasks schema (missing column tasks.message_id)", "Restore a good snapshot"),
     (make_with_another_column, "has column tasks.priority, which keel.tasks@3 does not have", "Remove what was added"),
     (make_with_another_table, "has table task_archive, which keel.tasks@3 does not have", "Remove what was added"),
+    (
+        make_with_a_column_renamed,
+        "missing column tasks.message_id, and has column tasks.msg_id, which keel.tasks@3 does not have",
+        "Undo what was changed (ALTER TABLE ... RENAME COLUMN, ... DROP COLUMN, DROP TABLE)",
+    ),
 ]
 
 
