@@ -114,21 +114,36 @@ class Steering:
         except (store_errors.StoreError, TimeoutError) as exc:
             logger.warning("the steers stored and not yet in their tasks' histories could not be read: %s", exc)
             return
+        recorded: dict[str, list[str]] = {}  # message ids, by context: marked in one write each
         for steer in pending:
             try:
                 await self._record(steer)
-                await self.sessions.steers_recorded(steer.session_id, [steer.message_id])
             except (store_errors.StoreError, TimeoutError, ProtocolError, ValueError, KeyError) as exc:
                 logger.warning(
                     "task %s: the steer %r stored for it in context %s is not yet in its history: %s",
                     steer.task_id, steer.message_id, steer.session_id, exc,
                 )  # fmt: skip
+            else:
+                recorded.setdefault(steer.session_id, []).append(steer.message_id)
+        for session_id, message_ids in recorded.items():
+            try:
+                await self.sessions.steers_recorded(session_id, message_ids)
+            except (store_errors.StoreError, TimeoutError) as exc:  # recorded again, as a no-op, by the next call
+                logger.warning("context %s: the steers its tasks have recorded could not be marked so: %s", session_id, exc)
 
     async def _record(self, steer: PendingSteer) -> None:
         if steer.task_id is None:
             return
+        # A task is stored whole (33 messages of 1 MiB at most): its run's, if it has one, is not
+        # read back and decoded for each of its steers, nor a steer it holds already decoded.
+        live = self.live.get(steer.task_id)
+        if live is not None and any(taken.message_id == steer.message_id for taken in live.task.history):
+            return
         stored = json.loads(steer.record)
         owner, message = stored["owner"], Message.from_json(stored["message"], STORED_VERSION)
+        if live is not None and live.owner == owner:
+            await self._add_to_history(owner, live.task, live.version, message)
+            return
         try:
             task, version = await load(self.tasks, owner, steer.task_id)
         except TaskNotFound:  # its task is gone (a state directory put together by hand): nowhere to record it

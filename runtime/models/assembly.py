@@ -119,7 +119,8 @@ class StreamAssembler:
 
     def _message(self, *, partial: bool) -> Message:
         calls = () if partial else self._tool_calls()
-        text = "".join(self._text) + unicode_text(self._held)
+        # A surrogate held for its pair is the answer's, unless the text is still in its reasoning.
+        text = "".join(self._text) + ("" if self._think.thinking else unicode_text(self._held))
         return Message(role="assistant", text=text, tool_calls=calls, partial=partial)
 
     def _tool_calls(self) -> tuple[ToolCall, ...]:
@@ -259,4 +260,5 @@ class StreamAssembler:
         for index, parts in sorted(self._calls.items()):
             if not parts.name:  # named by its place, not by its id: the id is the server's words
                 raise ModelBadResponse(self.model, f"tool call {index} has no name")
-        return [*self._said(self._think.end()), *self._tool_calls(), Finish(reason)]
+        held, self._held = unicode_text(self._held), ""  # its pair is not coming: the text ends here
+        return [*self._said(self._think.feed(held) + self._think.end()), *self._tool_calls(), Finish(reason)]

@@ -88,6 +88,18 @@ async def test_an_answer_that_ends_inside_its_think_block_fails_and_streams_none
     assert (updates, artifact_texts(task)) == ([], [])
 
 
+async def test_an_answer_that_ends_inside_its_think_block_on_half_an_emoji_fails_and_keeps_none_of_it(keel: Served) -> None:
+    # A JavaScript server can cut an emoji between two chunks: the first half, held for the
+    # second, is still the reasoning's when the answer ends there.
+    keel.model.script = [Reply(text="<think>\nThe lease, maybe \ud83d", chunk_chars=3)]  # a JSON escape
+    task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_FAILED", task
+    assert "held no text" in task["status"]["message"]["parts"][0]["text"]
+    assert (updates, artifact_texts(task)) == ([], [])
+    stored = await stored_messages(keel.state_dir / "runtime.db", task["contextId"])
+    assert [m.text for m in stored if m.role == "assistant"] in ([], [""]), stored
+
+
 async def test_think_tags_the_answer_writes_after_its_start_are_the_answers(keel: Served) -> None:
     text = "Wrap it as <think>...</think>, as qwen3 does."
     keel.model.script = [Reply(text=text, chunk_chars=3)]
