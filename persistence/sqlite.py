@@ -179,25 +179,25 @@ class Schema:
         return found.version
 
     def check_tables(self, path: Path, conn: sqlite3.Connection, version: int | None = None) -> None:
-        """SchemaError unless the database's tables, and their columns, are those of ``version``
-        (the current one by default): one missing fails this build's reads or writes, and one it
-        does not know (a NOT NULL column it never fills, a table another build or program added)
-        says that the file was not left as this build left it. SQLite's own tables (``sqlite_stat1``
-        of an ANALYZE), and indexes, triggers and views, are not the schema's to refuse."""
+        """SchemaError unless the database has the tables of ``version`` (the current one by
+        default) with their columns and no others: one missing fails this build's reads or
+        writes, and a column it does not know (a NOT NULL one it never fills) its writes, or says
+        that another build or program changed the file. Tables of another program's, SQLite's own
+        (``sqlite_stat1`` of an ANALYZE), indexes, triggers and views are not the schema's to refuse."""
         version = self.version if version is None else version
         expected, found = self.layout(version), layout_of(conn)
         missing = [f"table {t}" for t in expected if t not in found] + [
             f"column {t}.{c}" for t in expected if t in found for c in expected[t] if c not in found[t]
         ]
-        added = [f"table {t}" for t in found if t not in expected] + [
-            f"column {t}.{c}" for t in found if t in expected for c in found[t] if c not in expected[t]
-        ]
+        # A table of another program's is left to it (Litestream, replicating the file, keeps
+        # two): no write of this build goes near it. A column added to one of this schema's is.
+        added = [f"column {t}.{c}" for t in found if t in expected for c in found[t] if c not in expected[t]]
         unknown = f"{', '.join(added)}, which {self.name}@{version} does not have (another program, or another build, changed it)"
         if missing and added:  # both named: a rename, say, is told for what it is
             raise SchemaError(
                 path,
                 f"has an incomplete {self.name} schema (missing {', '.join(missing)}, and has {unknown})",
-                "Undo what was changed (ALTER TABLE ... RENAME COLUMN, ... DROP COLUMN, DROP TABLE), or restore a good snapshot",
+                "Undo what was changed (ALTER TABLE ... RENAME COLUMN, ... DROP COLUMN), or restore a good snapshot",
             )
         if missing:
             raise SchemaError(
@@ -207,7 +207,7 @@ class Schema:
             )
         if added:
             raise SchemaError(
-                path, f"has {unknown}", "Remove what was added (DROP TABLE, ALTER TABLE ... DROP COLUMN), or restore a good snapshot"
+                path, f"has {unknown}", "Remove what was added (ALTER TABLE ... DROP COLUMN), or restore a good snapshot"
             )
 
     def layout(self, version: int) -> Mapping[str, tuple[str, ...]]:

@@ -93,7 +93,7 @@ async def test_check_and_serve_name_every_database_they_cannot_use_at_once(tmp_p
     state.mkdir()
     async with open_session_store(state / "runtime.db"), open_task_store(state / "tasks.db"):
         pass
-    for name, change in (("runtime.db", "CREATE TABLE notes (x)"), ("tasks.db", "ALTER TABLE tasks ADD COLUMN priority INTEGER")):
+    for name, change in (("runtime.db", "ALTER TABLE sessions ADD COLUMN note TEXT"), ("tasks.db", "ALTER TABLE tasks ADD COLUMN priority INTEGER")):
         with closing(sqlite3.connect(state / name)) as conn:
             conn.execute(change)
     env = {"AGENT_STATE_DIR": str(state)}
@@ -101,7 +101,7 @@ async def test_check_and_serve_name_every_database_they_cannot_use_at_once(tmp_p
     checked = await trio.to_thread.run_sync(partial(run_cli, "check", env=env))
     served = await trio.to_thread.run_sync(partial(run_cli, "serve", "--port", "0", env=env))
 
-    named = [f"{state / 'runtime.db'}: has table notes", f"{state / 'tasks.db'}: has column tasks.priority"]
+    named = [f"{state / 'runtime.db'}: has column sessions.note", f"{state / 'tasks.db'}: has column tasks.priority"]
     assert checked.returncode == 1 and all(said in checked.stderr for said in named), checked.stderr
     assert served.returncode == 1 and "keel serving" not in served.stdout, served.stdout
     assert all(said in served.stderr for said in named) and "Traceback" not in served.stderr, served.stderr
