@@ -255,11 +255,12 @@ def migrate(path: Path, conn: sqlite3.Connection, schema: Schema) -> None:
         raise _unusable(path, exc) from exc
 
 
-def inspect(path: Path, schema: Schema) -> None:
-    """Read-only preflight: raise SchemaError if the file exists and this build cannot use it
+def inspect(path: Path, schema: Schema) -> int:
+    """Read-only preflight: the schema version the file holds (0 for no file, or an empty one),
+    which opening it brings up to ``schema.version``; SchemaError if this build cannot use it
     (DatabaseBusy or DatabaseFailed if it cannot be read for now)."""
     if not path.exists():
-        return
+        return 0
     try:
         conn = connect(path, readonly=True)
         try:
@@ -270,6 +271,7 @@ def inspect(path: Path, schema: Schema) -> None:
             conn.close()
     except sqlite3.DatabaseError as exc:
         raise _unusable(path, exc) from exc
+    return version
 
 
 def _unusable(path: Path, exc: sqlite3.DatabaseError) -> StoreError:

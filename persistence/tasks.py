@@ -68,12 +68,12 @@ def _v3(conn: sqlite3.Connection) -> None:
     # they are few. (The literals are UNFINISHED_STATES: a partial index is used only by a query
     # that repeats them.) How many tasks each owner has in each state is kept as they are
     # written, by triggers in the same transaction: a listing's total with no filter but the
-    # state is read, not counted.
+    # state is read, not counted. (An index an operator dropped is not the schema's to miss.)
     execute_ddl(
         conn,
         """
-        DROP INDEX tasks_context;
-        DROP INDEX tasks_state;
+        DROP INDEX IF EXISTS tasks_context;
+        DROP INDEX IF EXISTS tasks_state;
         CREATE INDEX tasks_context_recent ON tasks (owner, context_id, updated_at_ms DESC, id DESC);
         CREATE INDEX tasks_state_recent ON tasks (owner, state, updated_at_ms DESC, id DESC);
         CREATE INDEX tasks_unfinished ON tasks (created_at_ms, id)

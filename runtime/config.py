@@ -143,21 +143,30 @@ SESSIONS_FILE = "runtime.db"
 TASKS_FILE = "tasks.db"
 
 
-def preflight(state_dir: Path) -> None:
+def preflight(state_dir: Path) -> list[str]:
     """Refuse databases (with their SQLite files) this user may not read and write, and those
-    this build cannot use, reading only: StoreError for one, and an ExceptionGroup of them when
-    both are, so that each is named at once. Blocking: run it in a thread."""
+    this build cannot use, reading only (StoreError for one, and an ExceptionGroup of them when
+    both are, so that each is named at once); say, a line each, those an older build left, which
+    serve brings up to date as it opens them. Blocking: run it in a thread."""
     require_writable(state_dir, [name + suffix for name in (SESSIONS_FILE, TASKS_FILE) for suffix in ("", "-wal", "-shm")])
     unusable: list[StoreError] = []
+    older = []
     for name, schema in ((SESSIONS_FILE, SESSIONS_SCHEMA), (TASKS_FILE, TASKS_SCHEMA)):
         try:
-            inspect(state_dir / name, schema)
+            version = inspect(state_dir / name, schema)
         except StoreError as exc:
             unusable.append(exc)
+            continue
+        if 0 < version < schema.version:
+            older.append(
+                f"{name} holds {schema.name}@{version}; serve brings it up to {schema.name}@{schema.version} as it opens it,"
+                " and an older build cannot open it after that"
+            )
     if len(unusable) > 1:
         raise ExceptionGroup("databases this build cannot use", unusable)
     if unusable:
         raise unusable[0]
+    return older
 
 
 def _can_make_state_dir(path: Path) -> None:

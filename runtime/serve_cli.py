@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from persistence.errors import StoreError
-from runtime.config import BACKUP_ROOT_ENV, SETTINGS, Config, ConfigError, backup_root, os_error_text
+from runtime.config import BACKUP_ROOT_ENV, SETTINGS, Config, ConfigError, backup_root, os_error_text, preflight
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -68,7 +68,8 @@ NOT_SET = "(not set)"
 def _check(args: argparse.Namespace) -> int:
     """Every setting as serve would take it, tried where only trying tells (the host, the state
     directory), and AGENT_BACKUP_ROOT as `state snapshot` would take it; each printed, a value
-    not set as (not set), or every problem on stderr and exit 1."""
+    not set as (not set), with a note for each database serve would bring up to date (an older
+    build cannot open it after that), or every problem on stderr and exit 1."""
     problems: list[str] = []
     config: Config | None = None
     try:
@@ -79,6 +80,14 @@ def _check(args: argparse.Namespace) -> int:
         backups = backup_root(os.environ, None if config is None else config.state_dir)
     except ValueError as exc:
         problems.append(f"{BACKUP_ROOT_ENV}={os.environ.get(BACKUP_ROOT_ENV)!r} is not valid: {exc}")
+    older: list[str] = []
+    if config is not None and not problems:
+        try:
+            older = preflight(config.state_dir)  # as the probe read it: which databases serve will change
+        except StoreError as exc:  # changed since
+            problems.append(str(exc))
+        except ExceptionGroup as group:  # both databases, changed since
+            problems.extend(map(str, group.exceptions))
     if problems or config is None:
         print(f"error: {ConfigError(problems)}", file=sys.stderr)
         return 1
@@ -90,6 +99,8 @@ def _check(args: argparse.Namespace) -> int:
             shown = "(set)" if setting.secret else setting.show(str(value))
         print(f"{setting.env}={shown}")
     print(f"{BACKUP_ROOT_ENV}={backups}")
+    for line in older:
+        print(f"note: {line} (take a state snapshot first to keep a way back)")
     print("configuration ok")
     return 0
 

@@ -94,10 +94,12 @@ async def serve(
     try:
         serving = await trio.to_thread.run_sync(acquire_serving, config.state_dir)  # the only server
         try:
-            await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
+            older = await trio.to_thread.run_sync(preflight, config.state_dir)  # step 3
             await trio.to_thread.run_sync(app_version)  # read from disk once, for the agent card
             http_config = _http_config(config)
             await trio.to_thread.run_sync(http_config.take_address)  # a host name may be looked up
+            for line in older:  # opened next
+                logger.info("state %s: %s", config.state_dir, line)
             try:
                 async with trio.open_nursery() as nursery:
                     await _serve_in(nursery, config, http_config, agent, model, shutdown, hurry, task_status)

@@ -4,6 +4,7 @@ restore with this build."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 from contextlib import closing
@@ -55,6 +56,10 @@ SESSIONS_DDL = (
         created_at_ms INTEGER NOT NULL, PRIMARY KEY (session_id, message_id)
     ) WITHOUT ROWID;
     """,
+    # keel.sessions@3
+    """
+    ALTER TABLE steers ADD COLUMN task_id TEXT;
+    """,
 )
 
 
@@ -95,3 +100,17 @@ def store_question(path: Path, session_id: str, question: str, turn_id: str) -> 
         )
         content = json.dumps({"role": "user", "text": question, "turn_id": turn_id}, ensure_ascii=False, separators=(",", ":"))
         conn.execute("INSERT INTO events VALUES (?, 0, 'agent', 1, ?)", (session_id, content))
+
+
+def store_steer(path: Path, session_id: str, task_id: str, message_id: str, text: str) -> None:
+    """A steer of one text part a build of ``keel.sessions@3`` stored for a working task and no run
+    has taken yet: the steer, and its receipt (a digest of the parts as sent), of one millisecond."""
+    sent = json.dumps([{"text": text}], sort_keys=True, separators=(",", ":"))
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute(
+            "INSERT INTO steers (session_id, text, created_at_ms, task_id) VALUES (?, ?, 5, ?)", (session_id, text, task_id)
+        )
+        conn.execute(
+            "INSERT INTO steer_receipts VALUES (?, ?, ?, ?, 5)",
+            (session_id, message_id, task_id, hashlib.sha256(sent.encode()).hexdigest()),
+        )

@@ -69,36 +69,60 @@ def test_a_snapshot_of_a_newer_format_says_which_build_restores_it(tmp_path: Pat
     assert fingerprint(state_dir) == before
 
 
-# Opens a keel.tasks@1 file with this build, killed (SIGKILL) inside its migration, after the last
-# step's DDL has run but before its transaction commits.
+# Opens a database of an older schema with this build (argv: its path, and the schema as
+# module:name), killed (SIGKILL) inside its migration, after the last step's DDL has run but before
+# its transaction commits.
 MIGRATION_KILLED = """
-import os, signal, sys, trio
+import importlib, os, signal, sys, trio
 from pathlib import Path
-import persistence.tasks as tasks
 from persistence.sqlite import SqlitePool
 
+module, name = sys.argv[2].split(":")
+schema = getattr(importlib.import_module(module), name)
+*steps, last = schema.migrations
+
 def killed(conn):
-    tasks._v3(conn)
+    last(conn)
     os.kill(os.getpid(), signal.SIGKILL)
 
-schema = tasks.TASKS_SCHEMA
-trio.run(SqlitePool.open, Path(sys.argv[1]), type(schema)(schema.name, (*schema.migrations[:2], killed)))
+trio.run(SqlitePool.open, Path(sys.argv[1]), type(schema)(schema.name, (*steps, killed)))
 """
+
+
+async def kill_in_last_migration(path: Path, schema: str) -> None:
+    """Open ``path`` with this build in a child process killed in its last migration's transaction."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with trio.fail_after(30):
+        child = await trio.run_process([sys.executable, "-c", MIGRATION_KILLED, str(path), schema], env=env, check=False)
+    assert child.returncode == -signal.SIGKILL
 
 
 async def test_a_migration_killed_midway_leaves_the_older_schema_whole_and_the_next_open_finishes_it(tmp_path: Path) -> None:
     path = tmp_path / "tasks.db"
     make_older(path, "keel.tasks", 1)
     store_task(path, "old", "c", "TASK_STATE_COMPLETED", "{}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    with trio.fail_after(30):
-        child = await trio.run_process([sys.executable, "-c", MIGRATION_KILLED, str(path)], env=env, check=False)
-    assert child.returncode == -signal.SIGKILL
+    await kill_in_last_migration(path, "persistence.tasks:TASKS_SCHEMA")
     with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as conn:
         assert read_identity(conn) == SchemaIdentity("keel.tasks", 1)
         assert conn.execute("SELECT name FROM sqlite_master WHERE name = 'task_counts'").fetchall() == []
     inspect(path, TASKS_SCHEMA)  # what check and serve's preflight read
     async with open_task_store(path) as store:
         assert (await store.list("anonymous", state="TASK_STATE_COMPLETED")).total_size == 1
+    with closing(sqlite3.connect(path)) as conn:
+        assert read_identity(conn) == SchemaIdentity("keel.tasks", TASKS_SCHEMA.version)
+
+
+async def test_an_older_tasks_db_without_an_index_it_had_is_brought_up_to_date(tmp_path: Path) -> None:
+    # Indexes are not the schema's to refuse (an operator may drop one, or add one): check and
+    # serve's preflight accept such a file, so its migration must not fail on it either.
+    path = tmp_path / "tasks.db"
+    make_older(path, "keel.tasks", 2)
+    store_task(path, "old", "c", "TASK_STATE_COMPLETED", "{}")
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("DROP INDEX tasks_context")
+        conn.execute("DROP INDEX tasks_state")
+    inspect(path, TASKS_SCHEMA)
+    async with open_task_store(path) as store:
+        assert (await store.list("anonymous", context_id="c")).total_size == 1
     with closing(sqlite3.connect(path)) as conn:
         assert read_identity(conn) == SchemaIdentity("keel.tasks", TASKS_SCHEMA.version)
