@@ -313,7 +313,7 @@ SETTINGS: tuple[Setting, ...] = (
         show=without_credentials,
     ),  # fmt: skip
     Setting("model_api_key", "AGENT_MODEL_API_KEY", _api_key, None, "bearer token for the model API", secret=True),
-    Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM"),
+    Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM or SIGINT"),
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
     Setting(
         "model_timeout_s", "AGENT_MODEL_TIMEOUT_S", _positive_float, "--model-timeout-s",

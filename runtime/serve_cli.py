@@ -52,9 +52,14 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _shown_default(default: object) -> str:
-    if default is None:
-        return ""
-    return f"default {default:g}; " if isinstance(default, float) else f"default {default}; "
+    return "" if default is None else f"default {_as_written(default)}; "
+
+
+def _as_written(value: object) -> str:
+    """A setting's value as the README and ``--help`` write it: 10 for a float 10.0."""
+    if isinstance(value, float) and float(f"{value:g}") == value:
+        return f"{value:g}"
+    return str(value)
 
 
 def _load(args: argparse.Namespace, *, probe: bool = False) -> Config:
@@ -96,7 +101,7 @@ def _check(args: argparse.Namespace) -> int:
         if value is None:
             shown = NOT_SET
         else:
-            shown = "(set)" if setting.secret else setting.show(str(value))
+            shown = "(set)" if setting.secret else setting.show(_as_written(value))
         print(f"{setting.env}={shown}")
     print(f"{BACKUP_ROOT_ENV}={backups}")
     for line in older:

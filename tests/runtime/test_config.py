@@ -350,6 +350,14 @@ def test_check_shows_every_setting_not_set_alike_and_where_snapshots_go(tmp_path
     assert f"AGENT_BACKUP_ROOT={vault}" in result.stdout
 
 
+def test_check_shows_numbers_as_help_and_the_readme_write_them(tmp_path: Path) -> None:
+    # 10.0 where --help and the README say 10: a reader comparing them takes it for another value.
+    result = run_cli("check", "--drain-timeout-s", "2.5", env={"AGENT_STATE_DIR": str(tmp_path / "state")})
+    assert result.returncode == 0, result.stderr
+    shown = dict(line.split("=", 1) for line in result.stdout.splitlines() if line.startswith("AGENT_"))
+    assert (shown["AGENT_DRAIN_TIMEOUT_S"], shown["AGENT_MODEL_TIMEOUT_S"], shown["AGENT_SEND_TIMEOUT_S"]) == ("2.5", "60", "30")
+
+
 @pytest.mark.parametrize(
     ("root", "said"),
     [
