@@ -17,8 +17,8 @@ from runtime.models.errors import ModelBadResponse
 from runtime.models.reasoning import ThinkFilter
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
 from runtime.models.wire import (
-    SAID_CHARS, arguments_text, content_text, distinct_ids, inferred_finish_reason, optional_str, parse_usage, tool_call,
-    unicode_text,
+    SAID_CHARS, arguments_text, carries_reasoning, content_text, distinct_ids, inferred_finish_reason, optional_str, parse_usage,
+    tool_call, unicode_text,
 )
 
 
@@ -49,6 +49,7 @@ class StreamAssembler:
     _text: list[str] = attrs.field(init=False, factory=list)
     _held: str = attrs.field(init=False, default="")  # a surrogate that ended the last text, awaiting its pair
     _think: ThinkFilter = attrs.field(init=False, factory=ThinkFilter)  # reasoning opening the text is not the answer
+    _reasoned: bool = attrs.field(init=False, default=False)  # reasoning came apart from the text
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
     _moved: dict[int, int] = attrs.field(init=False, factory=dict)  # a server's call index, to the call it now leads to
     _finish_reason: str = attrs.field(init=False, default="")
@@ -86,6 +87,12 @@ class StreamAssembler:
         """Whether any of the answer has arrived: text, a tool call or the finish (the opening
         chunk that only names the assistant's role is none of it, nor is a comment)."""
         return bool(self._text or self._held or self._calls or self._finish_reason)
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the model has been reasoning (apart from its text, or in a block opening it)
+        and none of its answer has arrived yet."""
+        return (self._reasoned or self._think.reasoned) and not self.started
 
     def end_of_stream(self, *, cut_off: bool = False) -> list[Delta]:
         """The body ended. A server that finished but sent no ``[DONE]`` is forgiven; one that
@@ -184,6 +191,7 @@ class StreamAssembler:
         delta = choice.get("delta") or {}
         if not isinstance(delta, dict):
             raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
+        self._reasoned = self._reasoned or carries_reasoning(delta)
         text = self._think.feed(self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content")))
         deltas.extend(self._said(text))
         calls = delta.get("tool_calls") or []

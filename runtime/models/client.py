@@ -316,6 +316,7 @@ class ChatStream:
     _body_ended: bool = attrs.field(init=False, default=False)
     _cut_off: bool = attrs.field(init=False, default=False)  # the connection broke after the model finished
     _quiet_until: float = attrs.field(init=False, default=0.0)  # when the model has been silent too long
+    _reasoning_from: float | None = attrs.field(init=False, default=None)  # _quiet_until as its reasoning began to arrive
     _whole: Completion | None = attrs.field(init=False, default=None)  # from a server that would not stream
 
     @_assembler.default
@@ -395,6 +396,8 @@ class ChatStream:
                     if field == "data" and value.strip():  # an event with empty data is a heartbeat, as a comment is
                         self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
                     self._pending.extend(self._assembler.feed_line(line))
+                    if self._reasoning_from is None and self._assembler.reasoning:
+                        self._reasoning_from = self._quiet_until
                 except ModelError as exc:  # what the server said may repeat the key it was sent
                     exc.detail = self._client._scrub_cut(exc.detail)
                     raise
@@ -407,8 +410,15 @@ class ChatStream:
             if self._pending:
                 return self._pending.popleft()
             raise StopAsyncIteration
-        waiting_for, detail = part_awaited(self._assembler.started), "no data arrived in that time, keep-alive comments at most"
+        waiting_for = part_awaited(self._assembler.started, self._reasoned_s())
+        detail = "no data arrived in that time, keep-alive comments at most"
         raise ModelTimeout(self._client.config.model, waiting_for, timeout_s, detail=detail)
+
+    def _reasoned_s(self) -> float | None:
+        """How long the model had been reasoning when data last came, if none of its answer has."""
+        if self._reasoning_from is None or not self._assembler.reasoning:
+            return None
+        return self._quiet_until - self._reasoning_from  # each is when data came, plus the timeout
 
     async def _read_line(self) -> str | None:
         """The next line of the body, or None at its end."""
@@ -441,7 +451,8 @@ class ChatStream:
             if self._assembler.finished:  # the answer is whole; only the end of the body was lost
                 self._cut_off = True
                 return None
-            raise broken_answer(self._client.config, exc, started=self._assembler.started) from exc
+            started, reasoning_s = self._assembler.started, self._reasoned_s()
+            raise broken_answer(self._client.config, exc, started=started, reasoning_s=reasoning_s) from exc
         finally:
             self._body_ended = ended
 

@@ -119,21 +119,29 @@ def refuses_stream_options(error: ModelError) -> bool:
     return isinstance(error, ModelRejected) and error.status in (400, 422) and "stream_options" in error.detail
 
 
-def broken_answer(config: ModelConfig, exc: httpx.RequestError, *, started: bool) -> ModelError:
-    """The error for a failure after the server answered 2xx: never retried. ``started``:
-    whether any of the answer had arrived."""
+def broken_answer(
+    config: ModelConfig, exc: httpx.RequestError, *, started: bool, reasoning_s: float | None = None
+) -> ModelError:
+    """The error for a failure after the server answered 2xx: never retried. ``started`` and
+    ``reasoning_s``: see part_awaited."""
     model, detail = config.model, _detail(config, exc)
     if isinstance(exc, httpx.TimeoutException):
-        return ModelTimeout(model, part_awaited(started), config.read_timeout_s, detail=detail)
+        return ModelTimeout(model, part_awaited(started, reasoning_s), config.read_timeout_s, detail=detail)
     if isinstance(exc, httpx.DecodingError):
         return ModelBadResponse(model, "the body could not be decoded", detail=detail)
     where = "in the middle of the answer" if started else "before the answer started"
+    if reasoning_s is not None:
+        where = f"while the model was reasoning ({reasoning_s:.1f}s into it), before its answer started"
     return ModelUnavailable(model, f"the connection broke {where}", detail=detail)
 
 
-def part_awaited(started: bool) -> str:
+def part_awaited(started: bool, reasoning_s: float | None = None) -> str:
     """What a timeout after a 2xx answer was waiting for: ``started``, whether any of the answer
-    had arrived (keep-alive comments, whitespace and a stream's opening role are none of it)."""
+    had arrived (keep-alive comments, whitespace and a stream's opening role are none of it);
+    ``reasoning_s``, if the model was reasoning instead, how long it had been (a reasoning model
+    can think for minutes before it answers, so "the answer to start" would mislead)."""
+    if reasoning_s is not None:
+        return f"the model to go on reasoning (it had been reasoning for {reasoning_s:.1f}s; none of its answer had come)"
     return "the rest of the answer" if started else "the answer to start"
 
 

@@ -2,25 +2,27 @@
 
 A thinking model (qwen3, deepseek-r1, QwQ...) served without a reasoning parser (Ollama, vLLM and
 llama.cpp's server can each be run so) sends its reasoning in the content, as a ``<think>`` block
-that opens the text: ``<think>...</think>`` and then the answer. That block is not the answer: it
-is not streamed as the answer, kept as it, nor sent back to the model with it. Only a block that
-opens the text is taken out (white space before it allowed): a ``<think>`` further on is the
-answer's own text, as when the model explains the tag. A text that ends inside the block holds no
-answer. Servers that send reasoning apart (``reasoning_content``...) are read in ``assembly``.
+that opens the text: ``<think>...</think>`` and then the answer; Mistral's (Magistral) write
+``[THINK]...[/THINK]``. That block is not the answer: it is not streamed as the answer, kept as
+it, nor sent back to the model with it. Only a block that opens the text is taken out (white
+space before it allowed), and only the closing tag of its own kind ends it: a tag further on is
+the answer's own text, as when the model explains the tag. A text that ends inside the block
+holds no answer. Servers that send reasoning apart (``reasoning_content``...) are read in
+``assembly``.
 """
 
 from __future__ import annotations
 
 import attrs
 
-OPEN, CLOSE = "<think>", "</think>"
+BLOCKS = {"<think>": "</think>", "[THINK]": "[/THINK]"}  # each opening tag, and the tag that closes its block
 
 
 @attrs.define(eq=False)
 class ThinkFilter:
     """Feed it the text of an answer piece by piece; it returns what of each is the answer.
 
-    While the text could still open with a ``<think>`` (a few characters at most), it is held
+    While the text could still open with a tag of ``BLOCKS`` (a few characters at most), it is held
     back; inside the block, nothing is returned; after it, the white space that follows the
     block is dropped, and the rest is the answer. ``end()`` returns what was held back when the
     text ends; ``thinking`` says whether it ended inside the block.
@@ -28,10 +30,16 @@ class ThinkFilter:
 
     _held: str = attrs.field(init=False, default="")
     _state: str = attrs.field(init=False, default="start")  # "start", "thinking", "after", "answer"
+    _close: str = attrs.field(init=False, default="")  # the tag that ends the block being read
 
     @property
     def thinking(self) -> bool:
         return self._state == "thinking"
+
+    @property
+    def reasoned(self) -> bool:
+        """Whether a block opened the text, and none of the answer has followed it yet."""
+        return self._state in ("thinking", "after")
 
     def feed(self, text: str) -> str:
         if self._state == "answer":
@@ -39,15 +47,16 @@ class ThinkFilter:
         self._held += text
         if self._state == "start":
             opening = self._held.lstrip()
-            if not opening.startswith(OPEN):
-                if OPEN.startswith(opening):  # white space so far, or the start of a tag still coming
+            tag = next((tag for tag in BLOCKS if opening.startswith(tag)), None)
+            if tag is None:
+                if any(tag.startswith(opening) for tag in BLOCKS):  # white space so far, or the start of a tag still coming
                     return ""
                 return self._answer(self._held)
-            self._state, self._held = "thinking", opening[len(OPEN) :]
+            self._state, self._held, self._close = "thinking", opening[len(tag) :], BLOCKS[tag]
         if self._state == "thinking":
-            before, closed, after = self._held.partition(CLOSE)
+            before, closed, after = self._held.partition(self._close)
             if not closed:  # only what could be the start of the closing tag is kept
-                self._held = self._held[-(len(CLOSE) - 1) :]
+                self._held = self._held[-(len(self._close) - 1) :]
                 return ""
             self._state, self._held = "after", after
         answer = self._held.lstrip()

@@ -242,6 +242,16 @@ def _count(value: object) -> int | None:
     return None
 
 
+def carries_reasoning(message: dict[str, Any]) -> bool:
+    """Whether a message (or a chunk's delta) carries reasoning apart from its answer: in
+    ``reasoning_content`` (vLLM, llama.cpp, DeepSeek), ``reasoning`` (Ollama, newer vLLM) or, in
+    content given as typed parts, "thinking" parts (Mistral). None of it is the answer."""
+    content = message.get("content")
+    parts = content if isinstance(content, list) else []
+    thinking = any(isinstance(part, dict) and part.get("type") == "thinking" for part in parts)
+    return thinking or bool(message.get("reasoning_content") or message.get("reasoning"))
+
+
 def content_text(content: object, *, model: str, what: str) -> str:
     """A message's content: its text, or, given as a list of typed parts (as Mistral's API sends
     its reasoning models' answers), the text of its "text" parts; the others ("thinking") are

@@ -74,8 +74,9 @@ class Reply:
     to stream, as some servers and proxies do. ``repeat_call_names`` repeats each call's id and
     name in every piece of it, as some servers do.
 
-    Streamed, other servers' dialects: ``reasoning`` goes out before the text, ``chunk_chars`` at a
-    time, in ``reasoning_field`` deltas whose content is empty (a reasoning model thinking).
+    Other servers' dialects: ``reasoning`` goes out before the text, ``chunk_chars`` at a time, in
+    ``reasoning_field`` deltas whose content is empty (a reasoning model thinking); in one body, in
+    the message's ``reasoning_field``.
     ``content_parts`` sends content (and reasoning) as lists of typed parts, as Mistral's API does
     for its reasoning models. ``same_call_index`` gives every call index 0, as Ollama streams
     parallel calls. ``error_after_chunks=N`` sends N events, then ``error_event`` (written as it
@@ -310,8 +311,13 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
 
 
 def _completion(reply: Reply, request: dict[str, Any], number: int) -> dict[str, Any]:
-    content = [{"type": "text", "text": reply.text}] if reply.content_parts else reply.text
+    content: str | list[dict[str, Any]] = reply.text
+    if reply.content_parts:
+        thinking = [{"type": "thinking", "thinking": [{"type": "text", "text": reply.reasoning}]}] if reply.reasoning else []
+        content = [*thinking, {"type": "text", "text": reply.text}]
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if reply.tool_calls else "")}
+    if reply.reasoning and not reply.content_parts:
+        message[reply.reasoning_field] = reply.reasoning
     if reply.tool_calls:
         message["tool_calls"] = [
             {"id": _call_id(call, number, index), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

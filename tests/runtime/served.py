@@ -254,6 +254,7 @@ async def serve_keel(
     ready: bool = True,
     health_for: Callable[[Path, ModelClient], Health] = default_health,
     runner_config: RunnerConfig = RunnerConfig(drain_timeout_s=0.1),
+    model_timeout_s: float = 60.0,  # the model client's read_timeout_s
 ) -> AsyncIterator[Served]:
     """Open everything in ``state_dir`` and serve it on 127.0.0.1; tear it all down on exit.
 
@@ -262,7 +263,7 @@ async def serve_keel(
     state_dir.mkdir(parents=True, exist_ok=True)
     gate = Gate()
     agent = agent or AgentSpec(system_prompt=SYSTEM_PROMPT, tools=(gate.tool(),))
-    model_config = ModelConfig(base_url=model.base_url, max_retries=0)
+    model_config = ModelConfig(base_url=model.base_url, max_retries=0, read_timeout_s=model_timeout_s)
     async with (
         open_session_store(state_dir / "runtime.db") as sessions,
         open_task_store(state_dir / "tasks.db") as tasks,

@@ -4,6 +4,7 @@ turn that spends its budget on tools."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from tests.runtime.served import Served, message, serve_keel
 # As Ollama, vLLM and llama.cpp's server send a thinking model's answer (qwen3, deepseek-r1) when
 # they are run without a reasoning parser: the reasoning opens the content, in a <think> block.
 THINKING = "<think>\nThe user asks about the lease. It expired, 25h after its renewal.\n</think>\n\n"
+# As Mistral's reasoning models (Magistral) write it when served without a reasoning parser.
+MAGISTRAL = "[THINK]The user asks about the lease. It expired, 25h after its renewal.[/THINK]\n\n"
 ANSWER = "The lease expired."
 VAULT, DNS = '{"service": "vault"}', '{"service": "dns"}'
 
@@ -46,25 +49,48 @@ def artifact_texts(task: dict[str, Any]) -> list[str]:
     return ["".join(part["text"] for part in artifact["parts"]) for artifact in task.get("artifacts", [])]
 
 
+@pytest.mark.parametrize("thinking", [THINKING, MAGISTRAL], ids=["think", "magistral"])
 @pytest.mark.parametrize("chunk_chars", [1, 3, 4, 1000], ids=["char-by-char", "tags-split", "chunks-of-4", "one-chunk"])
 async def test_a_think_block_opening_the_content_is_neither_streamed_nor_the_answer_nor_sent_back(
-    keel: Served, chunk_chars: int
+    keel: Served, chunk_chars: int, thinking: str
 ) -> None:
-    keel.model.script = [Reply(text=THINKING + ANSWER, chunk_chars=chunk_chars), Reply(text="Renew it weekly.")]
+    keel.model.script = [Reply(text=thinking + ANSWER, chunk_chars=chunk_chars), Reply(text="Renew it weekly.")]
     task, updates = await streamed(keel, "Why did the vault lease expire?")
     assert task["status"]["state"] == "TASK_STATE_COMPLETED"
     assert artifact_texts(task) == [ANSWER]
-    assert all("think" not in part["text"] for update in updates for part in update["artifact"]["parts"]), updates
+    assert all("think" not in part["text"].lower() for update in updates for part in update["artifact"]["parts"]), updates
     assert put_together(updates) == ANSWER
     await keel.send("How do I stop it?", contextId=task["contextId"])
     assert [m["content"] for m in sent_messages(keel.model.bodies[1]) if m["role"] == "assistant"] == [ANSWER]
 
 
-async def test_a_think_block_in_an_answer_sent_in_one_body_is_not_the_answer(keel: Served) -> None:
+@pytest.mark.parametrize("thinking", [THINKING, MAGISTRAL], ids=["think", "magistral"])
+async def test_a_think_block_in_an_answer_sent_in_one_body_is_not_the_answer(keel: Served, thinking: str) -> None:
     # A server (or a proxy) that answers in one JSON body even when asked to stream.
-    keel.model.script = [Reply(text=THINKING + ANSWER, ignore_stream=True)]
+    keel.model.script = [Reply(text=thinking + ANSWER, ignore_stream=True)]
     task = await keel.send("Why did the vault lease expire?")
     assert (task["status"]["state"], artifact_texts(task)) == ("TASK_STATE_COMPLETED", [ANSWER])
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply(text=ANSWER, reasoning=THINKING, reasoning_field="reasoning_content"),
+        Reply(text=ANSWER, reasoning=THINKING, reasoning_field="reasoning"),
+        Reply(text=ANSWER, reasoning=THINKING, content_parts=True),
+        Reply(text=ANSWER, reasoning=THINKING, reasoning_field="reasoning_content", ignore_stream=True),
+        Reply(text=ANSWER, reasoning=THINKING, content_parts=True, ignore_stream=True),
+    ],
+    ids=["reasoning_content", "reasoning", "thinking-parts", "reasoning_content-one-body", "thinking-parts-one-body"],
+)
+async def test_reasoning_sent_apart_from_the_answer_is_neither_the_answer_nor_sent_back(keel: Served, reply: Reply) -> None:
+    keel.model.script = [reply, Reply(text="Renew it weekly.")]
+    task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert (task["status"]["state"], artifact_texts(task), put_together(updates)) == ("TASK_STATE_COMPLETED", [ANSWER], ANSWER)
+    await keel.send("How do I stop it?", contextId=task["contextId"])
+    sent = sent_messages(keel.model.bodies[1])
+    assert [m for m in sent if m["role"] == "assistant"] == [{"role": "assistant", "content": ANSWER}]
+    assert "25h after its renewal" not in json.dumps(keel.model.bodies[1]), sent
 
 
 async def test_an_answer_canceled_after_its_think_block_keeps_only_the_answer_so_far(keel: Served) -> None:
@@ -79,13 +105,35 @@ async def test_an_answer_canceled_after_its_think_block_keeps_only_the_answer_so
     assert [(m.text, m.partial) for m in stored if m.role == "assistant"] == [("The lease", True), ("Sure.", False)]
 
 
-async def test_an_answer_that_ends_inside_its_think_block_fails_and_streams_none_of_it(keel: Served) -> None:
-    keel.model.script = [Reply(text="<think>\nThe user asks about the lease. Maybe", chunk_chars=3)]
+@pytest.mark.parametrize("opening", ["<think>\n", "[THINK]"])
+async def test_an_answer_that_ends_inside_its_think_block_fails_and_streams_none_of_it(keel: Served, opening: str) -> None:
+    keel.model.script = [Reply(text=opening + "The user asks about the lease. Maybe", chunk_chars=3)]
     task, updates = await streamed(keel, "Why did the vault lease expire?")
     assert task["status"]["state"] == "TASK_STATE_FAILED"
     reason = task["status"]["message"]["parts"][0]["text"]
     assert "held no text" in reason and "reasoning" in reason, reason
     assert (updates, artifact_texts(task)) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        Reply(text=MAGISTRAL + ANSWER, chunk_chars=8, hang_after_chunks=3),
+        Reply(text=ANSWER, reasoning=THINKING, hang_after_chunks=3),
+    ],
+    ids=["magistral-block", "reasoning_content"],
+)
+async def test_a_model_that_falls_silent_while_reasoning_fails_the_task_saying_it_was_reasoning(
+    fake_model: FakeModel, tmp_path: Path, reply: Reply
+) -> None:
+    fake_model.script = [reply]
+    async with serve_keel(tmp_path / "state", fake_model, model_timeout_s=0.3) as keel:
+        task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert (task["status"]["state"], updates) == ("TASK_STATE_FAILED", [])
+    reason = task["status"]["message"]["parts"][0]["text"]
+    said = "nothing arrived within 0.3s while waiting for the model to go on reasoning (it had been reasoning for"
+    assert said in reason, reason
+    assert "25h" not in reason
 
 
 async def test_an_answer_that_ends_inside_its_think_block_on_half_an_emoji_fails_and_keeps_none_of_it(keel: Served) -> None:
@@ -100,8 +148,8 @@ async def test_an_answer_that_ends_inside_its_think_block_on_half_an_emoji_fails
     assert [m.text for m in stored if m.role == "assistant"] in ([], [""]), stored
 
 
-async def test_think_tags_the_answer_writes_after_its_start_are_the_answers(keel: Served) -> None:
-    text = "Wrap it as <think>...</think>, as qwen3 does."
+@pytest.mark.parametrize("text", ["Wrap it as <think>...</think>, as qwen3 does.", "Magistral writes [THINK]...[/THINK] first."])
+async def test_think_tags_the_answer_writes_after_its_start_are_the_answers(keel: Served, text: str) -> None:
     keel.model.script = [Reply(text=text, chunk_chars=3)]
     task = await keel.send("How does qwen3 mark its reasoning?")
     assert artifact_texts(task) == [text]
@@ -119,6 +167,15 @@ async def test_think_tags_the_answer_writes_after_its_start_are_the_answers(keel
         ("<thinking>" + ANSWER, "<thinking>" + ANSWER),
         ("\n" + ANSWER, "\n" + ANSWER),
         ("<thi", "<thi"),
+        (MAGISTRAL + ANSWER, ANSWER),
+        (" \n[THINK]x[/THINK]" + ANSWER, ANSWER),
+        ("[THINK][/THINK]" + ANSWER, ANSWER),
+        ("[THINK]only reasoning", ""),
+        ("[THINK]x</think>" + ANSWER, ""),  # a block ends with its own tag
+        ("<think>x[/THINK]" + ANSWER, ""),
+        ("[THI", "[THI"),
+        ("[b]" + ANSWER, "[b]" + ANSWER),
+        ("[THINKING]" + ANSWER, "[THINKING]" + ANSWER),
     ],
 )
 def test_the_answer_in_a_text_is_the_same_wherever_its_pieces_are_cut(text: str, answer: str) -> None:

@@ -4,9 +4,11 @@ fake model server on loopback: each test names the server whose dialect it speak
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from fake_model import Call, ErrorReply, FakeModel, Reply
@@ -15,7 +17,7 @@ from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentSpec
-from runtime.models import ModelBadResponse, TextDelta, open_model_client
+from runtime.models import Delta, ModelBadResponse, ModelTimeout, ModelUnavailable, TextDelta, open_model_client
 from runtime.models.assembly import StreamAssembler
 from tests.runtime.agent_support import lookup_tool, question, run_turn, sent_messages, stored_messages
 from tests.runtime.test_models import ASK, DEADLINE_S, config_for, read_stream, sse
@@ -154,3 +156,59 @@ async def test_a_model_that_reasons_longer_than_the_timeout_is_not_cut_off_nor_i
             deltas, completion = await read_stream(client)
     assert "".join(delta.text for delta in deltas if isinstance(delta, TextDelta)) == "Renew it."
     assert (completion.message.text, completion.finish_reason) == ("Renew it.", "stop")
+
+
+REASONING = "The user asks about the lease. It expired, 25h after its renewal."
+REASONING_REPLIES = {
+    "reasoning_content": Reply(text="Renew it.", reasoning=REASONING),
+    "reasoning": Reply(text="Renew it.", reasoning=REASONING, reasoning_field="reasoning"),
+    "thinking-parts": Reply(text="Renew it.", reasoning=REASONING, content_parts=True),
+    "think-block": Reply(text=f"<think>{REASONING}</think>Renew it."),
+    "magistral-block": Reply(text=f"[THINK]{REASONING}[/THINK]Renew it."),
+}
+
+
+@pytest.mark.parametrize("dialect", REASONING_REPLIES)
+async def test_a_model_that_falls_silent_while_reasoning_times_out_saying_so_and_for_how_long(
+    fake_model: FakeModel, dialect: str
+) -> None:
+    # The opening chunk, then five pieces of reasoning 0.1s apart (the first holds a block's whole
+    # opening tag), then nothing: the model had been reasoning for 0.4s, and none of its answer had come.
+    fake_model.script = [attrs.evolve(REASONING_REPLIES[dialect], chunk_chars=8, gap_s=0.1, hang_after_chunks=6)]
+    received: list[Delta] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=0.3)) as client:
+            with pytest.raises(ModelTimeout) as caught:
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    said = re.fullmatch(
+        r"model 'qwen3:4b-instruct' timed out: nothing arrived within 0\.3s while waiting for the model to go on reasoning "
+        r"\(it had been reasoning for (\d+\.\d)s; none of its answer had come\)",
+        str(caught.value),
+    )
+    assert said is not None, str(caught.value)
+    assert 0.3 <= float(said[1]) < DEADLINE_S  # 0.4, give or take how promptly loopback delivers
+    assert received == []
+
+
+@pytest.mark.parametrize("dialect", REASONING_REPLIES)
+async def test_a_model_that_reasons_for_longer_than_the_timeout_in_any_dialect_is_not_cut_off(
+    fake_model: FakeModel, dialect: str
+) -> None:
+    fake_model.script = [attrs.evolve(REASONING_REPLIES[dialect], chunk_chars=2, gap_s=0.05)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=0.3)) as client:
+            deltas, completion = await read_stream(client)
+    assert "".join(delta.text for delta in deltas if isinstance(delta, TextDelta)) == "Renew it."
+    assert (completion.message.text, completion.finish_reason) == ("Renew it.", "stop")
+
+
+async def test_a_connection_that_breaks_while_the_model_reasons_fails_saying_so(fake_model: FakeModel) -> None:
+    fake_model.script = [attrs.evolve(REASONING_REPLIES["reasoning_content"], chunk_chars=8, fail_after_chunks=3)]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=0)) as client:
+            broke = r"the connection broke while the model was reasoning \(\d+\.\ds into it\), before its answer started"
+            with pytest.raises(ModelUnavailable, match=broke):
+                await read_stream(client)
+    assert len(fake_model.bodies) == 1
