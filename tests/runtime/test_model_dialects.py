@@ -17,10 +17,10 @@ from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentSpec
-from runtime.models import Delta, ModelBadResponse, ModelTimeout, ModelUnavailable, TextDelta, open_model_client
+from runtime.models import ModelBadResponse, ModelUnavailable, TextDelta, open_model_client
 from runtime.models.assembly import StreamAssembler
 from tests.runtime.agent_support import lookup_tool, question, run_turn, sent_messages, stored_messages
-from tests.runtime.test_models import ASK, DEADLINE_S, config_for, read_stream, sse
+from tests.runtime.test_models import ASK, DEADLINE_S, config_for, read_stream, sse, timed_out_stream
 
 VAULT = '{"service": "vault"}'
 
@@ -175,19 +175,13 @@ async def test_a_model_that_falls_silent_while_reasoning_times_out_saying_so_and
     # The opening chunk, then five pieces of reasoning 0.1s apart (the first holds a block's whole
     # opening tag), then nothing: the model had been reasoning for 0.4s, and none of its answer had come.
     fake_model.script = [attrs.evolve(REASONING_REPLIES[dialect], chunk_chars=8, gap_s=0.1, hang_after_chunks=6)]
-    received: list[Delta] = []
-    with trio.fail_after(DEADLINE_S):
-        async with open_model_client(config_for(fake_model, read_timeout_s=0.3)) as client:
-            with pytest.raises(ModelTimeout) as caught:
-                async with client.stream(ASK) as chunks:
-                    async for delta in chunks:
-                        received.append(delta)
+    received, timeout = await timed_out_stream(fake_model, 0.3)
     said = re.fullmatch(
         r"model 'qwen3:4b-instruct' timed out: nothing arrived within 0\.3s while waiting for the model to go on reasoning "
         r"\(it had been reasoning for (\d+\.\d)s; none of its answer had come\)",
-        str(caught.value),
+        str(timeout),
     )
-    assert said is not None, str(caught.value)
+    assert said is not None, str(timeout)
     assert 0.3 <= float(said[1]) < DEADLINE_S  # 0.4, give or take how promptly loopback delivers
     assert received == []
 

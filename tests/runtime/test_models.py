@@ -572,6 +572,19 @@ async def test_slow_answer_times_out_and_is_not_retried(fake_model: FakeModel) -
     assert len(fake_model.bodies) == 1
 
 
+async def timed_out_stream(fake_model: FakeModel, read_timeout_s: float) -> tuple[list[Delta], ModelTimeout]:
+    """Read one streamed answer with the read timeout given, until it times out: what arrived
+    before, and the timeout."""
+    received: list[Delta] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, read_timeout_s=read_timeout_s)) as client:
+            with pytest.raises(ModelTimeout) as caught:
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    return received, caught.value
+
+
 async def test_stream_that_stalls_mid_answer_times_out(fake_model: FakeModel) -> None:
     fake_model.script = [Reply(text="The lease", chunk_chars=32, hang_after_chunks=2), Reply(text="a second answer")]
     received: list[Delta] = []
@@ -618,14 +631,8 @@ async def test_a_stream_that_times_out_says_whether_any_of_the_answer_had_arrive
     fake_model: FakeModel, reply: Reply, waiting_for: str
 ) -> None:
     fake_model.script = [reply]
-    received: list[Delta] = []
-    with trio.fail_after(DEADLINE_S):
-        async with open_model_client(config_for(fake_model, read_timeout_s=0.3)) as client:
-            with pytest.raises(ModelTimeout) as caught:
-                async with client.stream(ASK) as chunks:
-                    async for delta in chunks:
-                        received.append(delta)
-    assert str(caught.value) == f"model 'qwen3:4b-instruct' timed out: nothing arrived within 0.3s while waiting for {waiting_for}"
+    received, timeout = await timed_out_stream(fake_model, 0.3)
+    assert str(timeout) == f"model 'qwen3:4b-instruct' timed out: nothing arrived within 0.3s while waiting for {waiting_for}"
     assert bool(received) == (waiting_for == "the rest of the answer")
 
 
