@@ -120,6 +120,8 @@ class PageOfOtherListing(InvalidPage):
 class SchemaError(StoreError):
     def __init__(self, path: object, reason: str, fix: str) -> None:
         self.path = path
+        self.reason = reason  # what is wrong with the file, to follow its name
+        self.fix = fix
         super().__init__(f"{path}: {reason}. {fix}")
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import attrs
 
+from persistence.databases import check_servable
+from persistence.errors import SchemaError, StoreError
 from persistence.schema import KNOWN_SCHEMAS, SchemaIdentity, read_identity
 from persistence.statedir import SnapshotError, decode_document, file_evidence, is_db_name
 
@@ -219,3 +221,9 @@ def _check_files(snapshot_dir: Path, manifest: Manifest) -> None:
         check_supported(f"Snapshot database {path}", identity, fix="restore it with a build that supports it")
         if identity != entry.schema:
             raise SnapshotError(f"Snapshot database {path} has schema {identity}; the manifest records {entry.schema}")
+        try:
+            check_servable(path, entry.filename)
+        except SchemaError as exc:  # taken by a build that did not check what a server would refuse
+            raise SnapshotError(f"Snapshot database {path} {exc.reason}; a server could not use it") from exc
+        except StoreError as exc:
+            raise SnapshotError(f"Snapshot database {path} could not be read: {exc.__cause__ or exc}") from exc

@@ -22,6 +22,8 @@ from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
+from persistence.databases import check_servable
+from persistence.errors import SchemaError, StoreError
 from persistence.manifest import FORMAT_VERSION, MANIFEST_NAME, MARKER_NAME, DatabaseEntry, Manifest, check_supported
 from persistence.recovery import recover, recover_locked
 from persistence.refusals import cannot_create, not_a_directory_to_use, refusal, write_refused
@@ -330,10 +332,25 @@ def _copy_database(source: Path, src: sqlite3.Connection, copy: Path) -> Databas
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(copy)) from exc
         raise SnapshotError(f"{source} could not be copied: {exc}") from exc
     check_supported(f"{source}", identity, fix="snapshot it with a build that supports it")
+    _check_servable(source, copy)
     with open(copy, "rb+") as handle:
         os.fsync(handle.fileno())
     evidence = file_evidence(copy)
     return DatabaseEntry(filename=copy.name, sha256=evidence.sha256, size_bytes=evidence.size_bytes, schema=identity)
+
+
+def _check_servable(source: Path, copy: Path) -> None:
+    """Refuse a copy that serve would refuse to open as its source (a snapshot is to be restored
+    and served), naming the source: what is wrong with it, and what to do, is so."""
+    try:
+        check_servable(copy, source.name)
+    except SchemaError as exc:
+        raise SnapshotError(
+            f"{source} cannot be snapshotted as it is: it {exc.reason}. A server refuses it so, as it would a snapshot"
+            f" of it restored: no snapshot was written. {exc.fix}"
+        ) from exc
+    except StoreError as exc:  # SQLite failed to read the copy
+        raise SnapshotError(f"{source} could not be copied: {exc.__cause__ or exc}") from exc
 
 
 def complete_snapshots(backup_root: Path) -> list[Path]:

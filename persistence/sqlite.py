@@ -210,19 +210,54 @@ class Schema:
                 path, f"has {unknown}", "Remove what was added (ALTER TABLE ... DROP COLUMN), or restore a good snapshot"
             )
 
+    def check_upgrade(self, path: Path, conn: sqlite3.Connection, version: int) -> None:
+        """SchemaError if the database, of ``version``, holds a table, index, trigger or view under
+        a name that bringing it up to date gives one of the schema's own (another program's, or
+        one made by hand): the migration would fail on it ("index ... already exists")."""
+        made = self.made_after(version)
+        taken = [(kind, name) for kind, name in conn.execute(_OBJECTS) if name.lower() in made]
+        if not taken:
+            return
+        named = ", ".join(f"{kind} {name}" for kind, name in taken)
+        renames = "; ".join(
+            f"ALTER TABLE {name} RENAME TO <another name>" if kind == "table"
+            else f"DROP {kind.upper()} {name}, then make it again under another name"
+            for kind, name in taken
+        )  # fmt: skip
+        raise SchemaError(
+            path,
+            f"holds {named} (made by another program, or by hand), which {self.name}@{self.version} makes for its own,"
+            " so the file cannot be brought up to date",
+            f"Give {'it' if len(taken) == 1 else 'them'} another name ({renames}), or restore a good snapshot",
+        )
+
     def layout(self, version: int) -> Mapping[str, tuple[str, ...]]:
         """The tables of ``version`` and their columns, as its migrations make them."""
+        return self._built(version)[0]
+
+    def made_after(self, version: int) -> Mapping[str, str]:
+        """What bringing a database of ``version`` up to date makes: the type of each table,
+        index, trigger and view, by its name in lower case (SQLite's names ignore case)."""
+        made: dict[str, str] = {}
+        for step in range(version, self.version):
+            before = self._built(step)[1]
+            made.update((name, kind) for name, kind in self._built(step + 1)[1].items() if name not in before)
+        return made
+
+    def _built(self, version: int) -> tuple[Mapping[str, tuple[str, ...]], Mapping[str, str]]:
         key = (self.name, version)
-        if key not in _LAYOUTS:
+        if key not in _BUILT:
             with closing(sqlite3.connect(":memory:", isolation_level=None)) as conn:
                 for migration in self.migrations[:version]:
                     transaction(conn, migration)
                 conn.execute(META_DDL)
-                _LAYOUTS[key] = layout_of(conn)
-        return _LAYOUTS[key]
+                _BUILT[key] = (layout_of(conn), {name.lower(): kind for kind, name in conn.execute(_OBJECTS)})
+        return _BUILT[key]
 
 
-_LAYOUTS: dict[tuple[str, int], Mapping[str, tuple[str, ...]]] = {}  # by (schema name, version)
+# By (schema name, version): its tables' columns, and the type of every object by its name in lower case.
+_BUILT: dict[tuple[str, int], tuple[Mapping[str, tuple[str, ...]], Mapping[str, str]]] = {}
+_OBJECTS = "SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
 
 
 def layout_of(conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:
@@ -243,6 +278,8 @@ def migrate(path: Path, conn: sqlite3.Connection, schema: Schema) -> None:
 
     def txn(conn: sqlite3.Connection) -> None:
         start = schema.check_identity(path, read_identity(conn), _user_tables(conn))
+        if start:
+            schema.check_upgrade(path, conn, start)
         for step in schema.migrations[start:]:
             step(conn)
         if start < schema.version:
@@ -267,6 +304,7 @@ def inspect(path: Path, schema: Schema) -> int:
             version = schema.check_identity(path, read_identity(conn), _user_tables(conn))
             if version:
                 schema.check_tables(path, conn, version)  # an older one gains the rest when opened
+                schema.check_upgrade(path, conn, version)
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:

@@ -23,14 +23,12 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from persistence.databases import SCHEMAS, check_servable
 from persistence.errors import StoreError
 from persistence.recovery import check_recoverable
 from persistence.refusals import cannot_create, not_a_directory, not_a_directory_to_use, not_under, write_refused
-from persistence.sessions import SESSIONS_SCHEMA
 from persistence.snapshot import anothers_backup_root
-from persistence.sqlite import inspect
 from persistence.statedir import SnapshotError, UnusableStateDir, nearest_existing, require_writable, too_full, try_state_dir
-from persistence.tasks import TASKS_SCHEMA
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
 from runtime.models.endpoint import MISPLACED_AT, misplaced_at, port_unusable
 
@@ -139,21 +137,17 @@ def _writable_dir(path: Path) -> Path:
     return path
 
 
-SESSIONS_FILE = "runtime.db"
-TASKS_FILE = "tasks.db"
-
-
 def preflight(state_dir: Path) -> list[str]:
     """Refuse databases (with their SQLite files) this user may not read and write, and those
     this build cannot use, reading only (StoreError for one, and an ExceptionGroup of them when
     both are, so that each is named at once); say, a line each, those an older build left, which
     serve brings up to date as it opens them. Blocking: run it in a thread."""
-    require_writable(state_dir, [name + suffix for name in (SESSIONS_FILE, TASKS_FILE) for suffix in ("", "-wal", "-shm")])
+    require_writable(state_dir, [name + suffix for name in SCHEMAS for suffix in ("", "-wal", "-shm")])
     unusable: list[StoreError] = []
     older = []
-    for name, schema in ((SESSIONS_FILE, SESSIONS_SCHEMA), (TASKS_FILE, TASKS_SCHEMA)):
+    for name, schema in SCHEMAS.items():
         try:
-            version = inspect(state_dir / name, schema)
+            version = check_servable(state_dir / name, name)
         except StoreError as exc:
             unusable.append(exc)
             continue

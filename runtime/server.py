@@ -39,13 +39,14 @@ import trio
 from hypercorn.config import Sockets
 from hypercorn.utils import repr_socket_addr
 
+from persistence.databases import SESSIONS_FILE, TASKS_FILE
 from persistence.recovery import HeldStateDir, hold_state_dir
 from persistence.sessions import SqliteSessionStore
 from persistence.statelocks import acquire_serving, release_use
 from persistence.tasks import SqliteTaskStore
 from runtime.agent import AgentSpec, Model
 from runtime.agents import agent_card, app_version, default_agent
-from runtime.config import SESSIONS_FILE, TASKS_FILE, Config, preflight
+from runtime.config import Config, preflight
 from runtime.http_server import OneLine, serve_http
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig

@@ -115,10 +115,14 @@ async def started_keel(command: Sequence[str], *, cwd: Path | None = None) -> As
 
 async def run_serve_to_exit(state_dir: Path, model_url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     """Run serve expecting it to refuse to start: its exit code and output."""
+    return await run_to_exit(serve_command(state_dir, model_url, *extra))
+
+
+async def run_to_exit(command: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (a ``check``, a ``state`` command, a serve that refuses to start) to its
+    end: its exit code and output."""
     with trio.fail_after(STARTUP_DEADLINE_S):
-        result = await trio.run_process(
-            serve_command(state_dir, model_url, *extra), capture_stdout=True, capture_stderr=True, check=False, env=child_env()
-        )
+        result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False, env=child_env())
     return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode())
 
 

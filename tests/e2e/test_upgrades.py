@@ -13,16 +13,13 @@ import trio
 from fake_model import FakeModel, Reply
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.tasks import TASKS_SCHEMA
-from tests.e2e.harness import STARTUP_DEADLINE_S, child_env, keel_process, rpc, user_message
+from tests.e2e.harness import STARTUP_DEADLINE_S, keel_process, rpc, run_to_exit, user_message
 from tests.persistence.older_builds import make_older, store_question, store_steer, store_task
 from tests.persistence.test_other_builds import kill_in_last_migration
 
 
 async def check(state: Path) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "runtime", "check", "--port", "0", "--state-dir", str(state)]
-    with trio.fail_after(STARTUP_DEADLINE_S):
-        result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False, env=child_env())
-    return subprocess.CompletedProcess(command, result.returncode, result.stdout.decode(), result.stderr.decode())
+    return await run_to_exit([sys.executable, "-m", "runtime", "check", "--port", "0", "--state-dir", str(state)])
 
 
 async def test_check_says_which_databases_serve_brings_up_to_date_and_serve_says_it_did(

@@ -9,11 +9,14 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 from persistence.schema import SchemaIdentity, write_identity_txn
+from persistence.sessions import SESSIONS_SCHEMA
 from persistence.snapshot import create_snapshot
+from persistence.sqlite import transaction
+from persistence.tasks import TASKS_SCHEMA
 from persistence.statedir import LOCK_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,8 +27,15 @@ CHILD_TIMEOUT_S = 60
 
 
 def make_db(path: Path, identity: SchemaIdentity | None, label: str, *, rows: int = 3) -> None:
-    """A small database whose rows say which generation it belongs to."""
+    """A small database whose rows say which generation it belongs to: in a table of another
+    program's beside the tables of its Keel schema's version (as its migrations make them), if it
+    has one this build knows."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    schema = None if identity is None else {s.name: s for s in (SESSIONS_SCHEMA, TASKS_SCHEMA)}.get(identity.name)
+    if schema is not None and identity is not None and identity.version <= schema.version:
+        with closing(sqlite3.connect(path, isolation_level=None)) as made:
+            for migration in schema.migrations[: identity.version]:
+                transaction(made, migration)
     conn = sqlite3.connect(path)
     try:
         with conn:
