@@ -182,8 +182,9 @@ class Schema:
         """SchemaError unless the database has the tables of ``version`` (the current one by
         default) with their columns and no others: one missing fails this build's reads or
         writes, and a column it does not know (a NOT NULL one it never fills) its writes, or says
-        that another build or program changed the file. Tables of another program's, SQLite's own
-        (``sqlite_stat1`` of an ANALYZE), indexes, triggers and views are not the schema's to refuse."""
+        that another build or program changed the file; so does an index or a trigger of its own
+        dropped. Tables, indexes, triggers and views of another program's, and SQLite's own
+        (``sqlite_stat1`` of an ANALYZE), are not the schema's to refuse."""
         version = self.version if version is None else version
         expected, found = self.layout(version), layout_of(conn)
         missing = [f"table {t}" for t in expected if t not in found] + [
@@ -208,6 +209,25 @@ class Schema:
         if added:
             raise SchemaError(
                 path, f"has {unknown}", "Remove what was added (ALTER TABLE ... DROP COLUMN), or restore a good snapshot"
+            )
+        self._check_own_objects(path, conn, version)
+
+    def _check_own_objects(self, path: Path, conn: sqlite3.Connection, version: int) -> None:
+        """SchemaError if an index or a trigger of ``version`` that this build keeps was dropped:
+        a unique index is what keeps a message from starting two tasks, and a trigger what keeps
+        the counts of tasks right. (One an upgrade drops is not missed.)"""
+        kept = self._built(self.version)[1]
+        own = {name: kind for name, kind in self._built(version)[1].items() if kind in ("index", "trigger")}
+        own = {name: kind for name, kind in own.items() if kept.get(name) == kind}
+        present = {name.lower() for _kind, name in conn.execute(_OBJECTS)}
+        gone = [name for name in own if name not in present]
+        if gone:
+            made = "; ".join(self._built(self.version)[2][name] for name in gone)
+            raise SchemaError(
+                path,
+                f"is missing {', '.join(f'{own[name]} {name}' for name in gone)} of its {self.name} schema (dropped by hand,"
+                " or by another program)",
+                f"Make {'it' if len(gone) == 1 else 'them'} again ({made}), or restore a good snapshot",
             )
 
     def check_upgrade(self, path: Path, conn: sqlite3.Connection, version: int) -> None:
@@ -244,20 +264,26 @@ class Schema:
             made.update((name, kind) for name, kind in self._built(step + 1)[1].items() if name not in before)
         return made
 
-    def _built(self, version: int) -> tuple[Mapping[str, tuple[str, ...]], Mapping[str, str]]:
+    def _built(self, version: int) -> tuple[Mapping[str, tuple[str, ...]], Mapping[str, str], Mapping[str, str]]:
         key = (self.name, version)
         if key not in _BUILT:
             with closing(sqlite3.connect(":memory:", isolation_level=None)) as conn:
                 for migration in self.migrations[:version]:
                     transaction(conn, migration)
                 conn.execute(META_DDL)
-                _BUILT[key] = (layout_of(conn), {name.lower(): kind for kind, name in conn.execute(_OBJECTS)})
+                objects = conn.execute(f"SELECT type, name, sql FROM sqlite_master WHERE {_NOT_SQLITES}").fetchall()
+                _BUILT[key] = (
+                    layout_of(conn), {name.lower(): kind for kind, name, _sql in objects},
+                    {name.lower(): " ".join(sql.split()) for _kind, name, sql in objects if sql},
+                )  # fmt: skip
         return _BUILT[key]
 
 
-# By (schema name, version): its tables' columns, and the type of every object by its name in lower case.
-_BUILT: dict[tuple[str, int], tuple[Mapping[str, tuple[str, ...]], Mapping[str, str]]] = {}
-_OBJECTS = "SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
+# By (schema name, version): its tables' columns, and the type and the SQL of every object, by its
+# name in lower case.
+_BUILT: dict[tuple[str, int], tuple[Mapping[str, tuple[str, ...]], Mapping[str, str], Mapping[str, str]]] = {}
+_NOT_SQLITES = "name NOT LIKE 'sqlite_%'"
+_OBJECTS = f"SELECT type, name FROM sqlite_master WHERE {_NOT_SQLITES}"
 
 
 def layout_of(conn: sqlite3.Connection) -> dict[str, tuple[str, ...]]:

@@ -708,6 +708,17 @@ def make_with_a_column_renamed(path: Path) -> None:
     make_current(path, "ALTER TABLE tasks RENAME COLUMN message_id TO msg_id")
 
 
+def make_without_an_index_of_its_own(path: Path) -> None:
+    # The unique index that makes a message start one task: without it, a message sent again
+    # after its answer was lost would start a second run.
+    make_current(path, "DROP INDEX tasks_by_message")
+
+
+def make_without_a_trigger_of_its_own(path: Path) -> None:
+    # The counts ListTasks reads its totalSize from would go wrong from the next task on.
+    make_current(path, "DROP TRIGGER task_counted")
+
+
 def make_garbage(path: Path) -> None:
     path.write_bytes(b"this is not a database, it is a text file " * 100)
 
@@ -720,6 +731,12 @@ REFUSALS = [
     (make_garbage, "cannot be read as a database", "Restore a good snapshot"),
     (make_without_a_column, "incomplete keel.tasks schema (missing column tasks.message_id)", "Restore a good snapshot"),
     (make_with_another_column, "has column tasks.priority, which keel.tasks@3 does not have", "Remove what was added"),
+    (
+        make_without_an_index_of_its_own,
+        "is missing index tasks_by_message of its keel.tasks schema",
+        "Make it again (CREATE UNIQUE INDEX tasks_by_message ON tasks (owner, message_id) WHERE message_id IS NOT NULL)",
+    ),
+    (make_without_a_trigger_of_its_own, "is missing trigger task_counted of its keel.tasks schema", "CREATE TRIGGER task_counted"),
     (
         make_with_a_column_renamed,
         "missing column tasks.message_id, and has column tasks.msg_id, which keel.tasks@3 does not have",
