@@ -25,6 +25,7 @@ from typing import Protocol, TypeVar, TypeVarTuple
 import attrs
 import trio
 
+from persistence.databases import SESSIONS_FILE, TASKS_FILE
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.sqlite import Schema, inspect
 from persistence.statedir import MIN_FREE_BYTES, free_bytes, nearly_full
@@ -81,8 +82,8 @@ class Health:
 
     state_dir: Path
     model: ModelCatalog | None = None
-    session_file: str = "runtime.db"
-    task_file: str = "tasks.db"
+    session_file: str = SESSIONS_FILE
+    task_file: str = TASKS_FILE
     draining: Callable[[], bool] | None = None  # true once the server is shutting down
     probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
     min_free_bytes: int = attrs.field(default=MIN_FREE_BYTES, validator=attrs.validators.ge(0))
