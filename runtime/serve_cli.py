@@ -8,6 +8,7 @@ import functools
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -129,6 +130,7 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     for chatty in ("httpx", "httpcore"):  # a line per model request is noise, and costs CPU
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    _take_file_limit()
     failures: list[BaseException] = []
     try:
         trio.run(functools.partial(_main, config, **options))
@@ -137,6 +139,17 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     for failure in failures:
         print(f"error: {os_error_text(failure) if isinstance(failure, OSError) else failure}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _take_file_limit() -> None:
+    """Raise the soft limit on open files to the hard one, as Go programs do as they start. Each
+    client and each model connection holds a descriptor, and a shell's usual soft limit is 1024;
+    the hard limit is what the operator allows (`ulimit -Hn`). Where the kernel will not take it
+    (a hard limit of unlimited, say), the soft limit stays as it was."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # Line breaks and terminal controls, spelled as Python spells them (\n, \x1b, \u2028). A log line names

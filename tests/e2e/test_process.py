@@ -719,6 +719,17 @@ async def test_serve_keeps_serving_when_its_standard_output_cannot_be_written(
     assert not [line for line in said.decode().splitlines() if line.startswith("error:")]
 
 
+async def test_serve_raises_its_open_files_limit_to_the_most_it_may_have(tmp_path: Path, fake_model: FakeModel) -> None:
+    # A shell leaves a soft limit of 1024 descriptors, a connection each; the hard limit is
+    # what the operator allows. Go programs take the hard one as they start; so does serve.
+    limited = ["sh", "-c", 'ulimit -Sn 64 && ulimit -Hn 2048 && exec "$@"', "sh"]
+    async with started_keel([*limited, *serve_command(tmp_path / "state", fake_model.base_url)]) as keel:
+        limits = Path(f"/proc/{keel.process.pid}/limits").read_text()
+        assert await keel.terminate() == 0
+    (open_files,) = [line.split()[3:5] for line in limits.splitlines() if line.startswith("Max open files")]
+    assert open_files == ["2048", "2048"], limits
+
+
 async def test_a_server_out_of_file_descriptors_says_so_in_one_line_and_serves_again_once_some_close(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
