@@ -50,6 +50,7 @@ from persistence.statedir import (
     make_fresh_dir,
     make_state_dir,
     other_programs_databases,
+    owned_as_directory,
     require_directory,
     write_all,
 )
@@ -179,7 +180,7 @@ class _Restore:
     def _stage(self, staging: Path) -> tuple[FileEvidence, ...]:
         staged = []
         for entry in self.manifest.databases:
-            evidence = _copy_durably(self.snapshot_dir / entry.filename, staging / entry.filename)
+            evidence = _copy_durably(self.snapshot_dir / entry.filename, staging / entry.filename, self.state_dir)
             if evidence != FileEvidence(entry.filename, entry.sha256, entry.size_bytes):
                 raise RestoreError(
                     f"Snapshot database {entry.filename} changed while it was being staged; live state was not touched"
@@ -189,14 +190,15 @@ class _Restore:
         return tuple(staged)
 
 
-def _copy_durably(source: Path, target: Path) -> FileEvidence:
-    """Copy a regular file to a new path, hashing what was written, and fsync it."""
+def _copy_durably(source: Path, target: Path, state_dir: Path) -> FileEvidence:
+    """Copy a regular file to a new path, owned as ``state_dir`` is, hashing what was written, and fsync it."""
     digest = hashlib.sha256()
     size = 0
     src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE)
         try:
+            owned_as_directory(dst, state_dir)
             while chunk := os.read(src, _CHUNK_BYTES):
                 digest.update(chunk)
                 size += len(chunk)

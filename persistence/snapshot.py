@@ -40,6 +40,7 @@ from persistence.statedir import (
     is_db_name,
     make_dirs,
     nearest_existing,
+    owned_as_directory,
     write_new_file,
 )
 from persistence.statelocks import generation_lock, in_use, written_by_no_one
@@ -171,6 +172,7 @@ def _claim_backup_root(backup_root: Path, state_dir: Path, staging: Path) -> Non
     if not os.path.lexists(backup_root / OWNER_NAME):
         claim = staging / OWNER_NAME
         write_new_file(claim, f"{os.path.realpath(state_dir)}\n".encode(), mode=PRIVATE_MODE)
+        owned_as_directory(claim, backup_root)
         try:
             os.link(claim, backup_root / OWNER_NAME)  # whole, and never over a claim made meanwhile
         except FileExistsError:
@@ -271,6 +273,8 @@ def _write_snapshot(
         marker = {"format_version": FORMAT_VERSION, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
         write_new_file(staging / MARKER_NAME, encode_document(marker), mode=PRIVATE_MODE)
         _claim_backup_root(backup_root, state_dir, staging)
+        for made in (*staging.iterdir(), staging):
+            owned_as_directory(made, backup_root)
         fsync_dir(staging)
         target = backup_root / stamp
         os.rename(staging, target)  # the one rename that publishes it; the stamp claim keeps target free

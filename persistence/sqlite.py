@@ -24,6 +24,7 @@ import trio
 
 from persistence.errors import DatabaseBusy, DatabaseFailed, DatabaseGone, SchemaError, StoreClosed, StoreError
 from persistence.schema import KNOWN_SCHEMAS, META_DDL, SchemaIdentity, read_identity, write_identity_txn
+from persistence.statedir import owned_as_directory
 
 T = TypeVar("T")
 
@@ -55,7 +56,10 @@ def create_private(path: Path) -> None:
             except (FileNotFoundError, PermissionError):  # none there; or another user's, left to them
                 pass
         return
-    os.close(fd)
+    try:
+        owned_as_directory(fd, path.parent)
+    finally:
+        os.close(fd)
 
 
 def immutable_uri(path: Path) -> str | None:

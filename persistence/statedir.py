@@ -174,6 +174,19 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def owned_as_directory(file: int | Path, directory: Path) -> None:
+    """Give ``file`` (a descriptor or a path), made in ``directory`` by root, to the directory's
+    owner. An operator may run a state command as root (`sudo`) for a server that runs as a user of
+    its own: a database, a lock or a snapshot left to root, readable by its owner alone, would keep
+    that server from opening it, or its user from snapshotting or restoring again. (SQLite does the
+    same with the files it makes beside a database.)"""
+    if os.geteuid() != 0 or (os.fstat(file) if isinstance(file, int) else os.lstat(file)).st_uid != 0:
+        return
+    owner = os.stat(directory)
+    if owner.st_uid != 0:
+        os.chown(file, owner.st_uid, owner.st_gid, follow_symlinks=isinstance(file, int))
+
+
 def write_new_file(path: Path, data: bytes, *, mode: int = DOCUMENT_MODE) -> None:
     """Create ``path`` (it must not exist), write ``data`` and fsync it; the caller fsyncs the directory."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)

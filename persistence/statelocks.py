@@ -42,6 +42,7 @@ from persistence.statedir import (
     StateBusy,
     StateError,
     UnusableStateDir,
+    owned_as_directory,
     require_directory,
 )
 
@@ -81,7 +82,9 @@ def _open_lock_file(state_dir: Path, name: str, *, reading: bool = False) -> int
         if os.path.lexists(state_dir):
             require_directory(state_dir)
         raise UnusableStateDir(state_dir, f"no file can be made in it ({refusal(exc, 'files', state_dir)})", fix) from exc
-    return _regular_lock_file(fd, path)
+    fd = _regular_lock_file(fd, path)
+    owned_as_directory(fd, state_dir)
+    return fd
 
 
 READ_AS_ITS_OWNER = (

@@ -74,8 +74,8 @@ def main(scenario: str, snapshot: Path, state_dir: Path) -> int:
     if scenario == "while-staging":
         copy = persistence.restore._copy_durably
 
-        def copy_one_then_die(source: Path, target: Path) -> FileEvidence:
-            copy(source, target)
+        def copy_one_then_die(source: Path, target: Path, state_dir: Path) -> FileEvidence:
+            copy(source, target, state_dir)
             os._exit(WHILE_STAGING)
 
         persistence.restore._copy_durably = copy_one_then_die

@@ -63,6 +63,21 @@ def test_restore_publishes_exactly_the_snapshot_and_drops_old_files_and_sidecars
         assert os.stat(path).st_mode & 0o777 == 0o600, path
 
 
+def test_restore_run_as_root_leaves_files_the_state_directorys_owner_can_open(tmp_path: Path) -> None:
+    # `sudo keel state restore` for a server that runs as its own user: copies made as root, 0600,
+    # would leave that server unable to open its own databases, or to take its locks.
+    assert os.geteuid() == 0, "this test restores as root, as an operator may; run the suite as root"
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    snapshot = new_snapshot(tmp_path)
+    os.chown(state_dir, 65534, 65534)
+    restore_snapshot(snapshot, state_dir)
+
+    owners = {path.name: (path.stat().st_uid, path.stat().st_gid) for path in state_dir.iterdir()}
+    assert set(owners) >= {"runtime.db", "tasks.db", GENERATION_LOCK_NAME}
+    assert set(owners.values()) == {(65534, 65534)}, owners
+
+
 def test_restore_into_a_missing_state_dir_creates_it(tmp_path: Path) -> None:
     snapshot = new_snapshot(tmp_path)
     restore_snapshot(snapshot, tmp_path / "fresh" / "state")

@@ -64,6 +64,20 @@ def test_snapshot_records_a_signed_manifest_of_hashed_checked_databases(state_di
     assert sorted(os.listdir(snapshot.parent)) == [OWNER_NAME, STAMP]  # no staging and no stamp claim left behind
 
 
+def test_a_snapshot_taken_as_root_belongs_to_the_backup_roots_owner(state_dir: Path) -> None:
+    # `sudo keel state snapshot` for a server that runs as its own user: left to root, 0600, the
+    # snapshot could not be restored by that user, nor pruned by the user's next snapshot.
+    assert os.geteuid() == 0, "this test snapshots as root, as an operator may; run the suite as root"
+    backups = state_dir.parent / "backups"
+    backups.mkdir()
+    os.chown(backups, 65534, 65534)
+    snapshot = snap(state_dir)
+
+    made = [Path(top) / name for top, dirs, files in os.walk(backups) for name in (*dirs, *files)]
+    assert snapshot in made and backups / OWNER_NAME in made and snapshot / "tasks.db" in made
+    assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, (65534, 65534))
+
+
 def test_snapshot_copies_committed_rows_while_a_writer_is_mid_transaction(state_dir: Path) -> None:
     writer = sqlite3.connect(state_dir / "tasks.db", isolation_level=None)
     try:

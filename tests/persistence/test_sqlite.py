@@ -61,6 +61,17 @@ async def test_a_database_and_the_files_sqlite_makes_beside_it_are_their_owners_
         os.umask(old)
 
 
+async def test_a_database_made_by_root_in_another_users_directory_is_that_users(tmp_path: Path) -> None:
+    # serve started once as root (`sudo`) in the directory of a server that runs as its own user.
+    assert os.geteuid() == 0, "this test opens a store as root, as an operator may; run the suite as root"
+    os.chown(tmp_path, 65534, 65534)
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        await store.save("s", [Message(role="user", text="what the conversation said")])
+        owners = {name: (os.stat(tmp_path / name).st_uid, os.stat(tmp_path / name).st_gid) for name in os.listdir(tmp_path)}
+    assert set(owners) == {"runtime.db", "runtime.db-wal", "runtime.db-shm"}
+    assert set(owners.values()) == {(65534, 65534)}, owners
+
+
 def test_a_transaction_commits_its_writes_and_rolls_back_on_error_and_never_nests(tmp_path: Path) -> None:
     conn = connect(tmp_path / "t.db")
     conn.execute("CREATE TABLE t (v INTEGER)")
