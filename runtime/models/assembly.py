@@ -13,12 +13,12 @@ from typing import Any
 import attrs
 
 from persistence.transcript import Message, ToolCall
-from runtime.models.errors import ModelBadResponse
+from runtime.models.errors import ModelBadResponse, ModelReasoningRunaway
 from runtime.models.reasoning import ThinkFilter
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
 from runtime.models.wire import (
     SAID_CHARS, arguments_text, carries_reasoning, content_text, distinct_ids, inferred_finish_reason, optional_str, parse_usage,
-    tool_call, unicode_text,
+    reasoning_chars, tool_call, unicode_text,
 )
 
 
@@ -42,6 +42,9 @@ class StreamAssembler:
     # The most characters one event's data may hold (its data lines together): one chunk of the
     # answer. Past it the stream is refused, rather than held in memory until it ends.
     max_event_chars: int | None = attrs.field(default=None, kw_only=True)
+    # The most characters the model may reason before its answer starts: past it the stream is
+    # refused (ModelReasoningRunaway), rather than read for as long as the model goes round.
+    max_reasoning_chars: int | None = attrs.field(default=None, kw_only=True)
     done: bool = attrs.field(init=False, default=False)
     _data: list[str] = attrs.field(init=False, factory=list)
     _event: str = attrs.field(init=False, default="")  # the type of the event being collected
@@ -50,6 +53,7 @@ class StreamAssembler:
     _held: str = attrs.field(init=False, default="")  # a surrogate that ended the last text, awaiting its pair
     _think: ThinkFilter = attrs.field(init=False, factory=ThinkFilter)  # reasoning opening the text is not the answer
     _reasoned: bool = attrs.field(init=False, default=False)  # reasoning came apart from the text
+    _reasoning_chars: int = attrs.field(init=False, default=0)  # of reasoning, before the answer started
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
     _moved: dict[int, int] = attrs.field(init=False, factory=dict)  # a server's call index, to the call it now leads to
     _finish_reason: str = attrs.field(init=False, default="")
@@ -192,7 +196,12 @@ class StreamAssembler:
         if not isinstance(delta, dict):
             raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
         self._reasoned = self._reasoned or carries_reasoning(delta)
-        text = self._think.feed(self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content")))
+        content = self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content"))
+        text = self._think.feed(content)
+        if not self.started:  # what its reasoning block held, or what came apart from the content
+            self._reasoning_chars += reasoning_chars(delta) + len(content) - len(text)
+            if self.max_reasoning_chars is not None and self._reasoning_chars > self.max_reasoning_chars:
+                raise ModelReasoningRunaway(self.model, self.max_reasoning_chars)
         deltas.extend(self._said(text))
         calls = delta.get("tool_calls") or []
         if not isinstance(calls, list):

@@ -25,6 +25,7 @@ import httpx
 import trio
 
 from persistence.transcript import Message
+from persistence.validate import MAX_EVENT_BYTES
 from protocol import SseLines
 from protocol.sse import LineTooLong
 from runtime.models.assembly import StreamAssembler
@@ -44,6 +45,9 @@ _DETAIL_CHARS = 2000  # how much of a server's error body is kept for the logs
 # a server that sends more is not answering, and is not held in memory to find that out.
 MAX_BODY_BYTES = 32 << 20
 MAX_LINE_CHARS = 16 << 20  # one line of a streamed answer, and one event's data lines together: one chunk of it
+# As much reasoning as one answer may hold (MAX_EVENT_BYTES): a model that reasons past it without
+# starting its answer is going round in circles, and a call that would never end is ended.
+MAX_REASONING_CHARS = MAX_EVENT_BYTES
 
 
 @asynccontextmanager
@@ -321,7 +325,7 @@ class ChatStream:
 
     @_assembler.default
     def _new_assembler(self) -> StreamAssembler:
-        return StreamAssembler(self._client.config.model, max_event_chars=MAX_LINE_CHARS)
+        return StreamAssembler(self._client.config.model, max_event_chars=MAX_LINE_CHARS, max_reasoning_chars=MAX_REASONING_CHARS)
 
     async def __aenter__(self) -> ChatStream:
         if self._entered:

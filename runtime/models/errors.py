@@ -5,7 +5,8 @@ ModelError
 ├── ModelRateLimited   the server kept answering HTTP 429
 ├── ModelTimeout       nothing arrived within the connect or read timeout
 ├── ModelRejected      the server refused this request (HTTP 4xx other than 429): bad request, key, model
-└── ModelBadResponse   the server answered 2xx with something that is not a chat completion
+├── ModelBadResponse   the server answered 2xx with something that is not a chat completion
+└── ModelReasoningRunaway  the model reasoned past any answer one message may hold, and had not started it
 
 ``str(error)`` is safe to show an A2A client: it is built from the model name, the HTTP status and
 this module's own words, never from the API key, the server's URL or what the server said. Its
@@ -99,3 +100,13 @@ class ModelRejected(ModelError):
 class ModelBadResponse(ModelError):
     def __init__(self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
         super().__init__(model, "sent an answer this client cannot read", reason, detail=detail, status=status, attempts=attempts)
+
+
+class ModelReasoningRunaway(ModelError):
+    """A model that reasoned for more than ``limit`` characters and had not started its answer: a
+    small one can go round in its reasoning for ever, never silent for long enough to time out."""
+
+    def __init__(self, model: str, limit: int) -> None:
+        reason = f"it reasoned for more than {limit} characters and had not started its answer"
+        super().__init__(model, "would not stop reasoning", f"{reason}; ask again, or for less in one message")
+        self.limit = limit

@@ -252,6 +252,19 @@ def carries_reasoning(message: dict[str, Any]) -> bool:
     return thinking or bool(message.get("reasoning_content") or message.get("reasoning"))
 
 
+def reasoning_chars(message: dict[str, Any]) -> int:
+    """How many characters of reasoning apart from its answer a message (or a chunk's delta)
+    carries, wherever carries_reasoning finds it."""
+    count = sum(len(text) for text in (message.get("reasoning_content"), message.get("reasoning")) if isinstance(text, str))
+    content = message.get("content")
+    for part in content if isinstance(content, list) else []:
+        if isinstance(part, dict) and part.get("type") == "thinking":
+            thinking = part.get("thinking")
+            pieces = thinking if isinstance(thinking, list) else [{"text": thinking}]
+            count += sum(len(piece["text"]) for piece in pieces if isinstance(piece, dict) and isinstance(piece.get("text"), str))
+    return count
+
+
 def content_text(content: object, *, model: str, what: str) -> str:
     """A message's content: its text, or, given as a list of typed parts (as Mistral's API sends
     its reasoning models' answers), the text of its "text" parts; the others ("thinking") are

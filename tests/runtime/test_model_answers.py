@@ -13,6 +13,7 @@ from fake_model import Call, FakeModel, Reply
 
 from persistence.transcript import ToolCall
 from runtime.agent import AgentSpec
+from runtime.models.client import MAX_REASONING_CHARS
 from runtime.models.reasoning import ThinkFilter
 from runtime.models.wire import distinct_ids
 from tests.runtime.agent_support import lookup_tool, sent_messages, stored_messages
@@ -224,3 +225,17 @@ async def test_a_turn_that_spends_its_budget_on_tools_fails_naming_it_and_keeps_
     # The text before a tool call is not an answer: neither the task nor its streams keep it as one.
     assert "Let me look that up." not in artifact_texts(task), task
     assert put_together(updates) == ""
+
+
+async def test_a_model_that_would_not_stop_reasoning_fails_its_task_saying_so_and_the_conversation_goes_on(keel: Served) -> None:
+    looping = "I must check the lease again. " * (MAX_REASONING_CHARS // 30 + 100)
+    keel.model.script = [Reply(text="never reached", reasoning=looping, chunk_chars=1 << 16), Reply(text=ANSWER)]
+    task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_FAILED" and updates == []
+    assert task["status"]["message"]["parts"] == [{"text": (
+        f"The task failed: model 'qwen3:4b-instruct' would not stop reasoning: it reasoned for more than {MAX_REASONING_CHARS}"
+        " characters and had not started its answer; ask again, or for less in one message"
+    )}]  # fmt: skip
+    again, _ = await streamed(keel, "Why, in short?", contextId=task["contextId"])
+    assert artifact_texts(again) == [ANSWER]
+    assert "I must check" not in json.dumps(keel.model.bodies[-1])

@@ -17,8 +17,9 @@ from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentSpec
-from runtime.models import ModelBadResponse, ModelUnavailable, TextDelta, open_model_client
+from runtime.models import ModelBadResponse, ModelReasoningRunaway, ModelUnavailable, TextDelta, open_model_client
 from runtime.models.assembly import StreamAssembler
+from runtime.models.client import MAX_REASONING_CHARS
 from tests.runtime.agent_support import lookup_tool, question, run_turn, sent_messages, stored_messages
 from tests.runtime.test_models import ASK, DEADLINE_S, config_for, read_stream, sse, timed_out_stream
 
@@ -206,3 +207,30 @@ async def test_a_connection_that_breaks_while_the_model_reasons_fails_saying_so(
             with pytest.raises(ModelUnavailable, match=broke):
                 await read_stream(client)
     assert len(fake_model.bodies) == 1
+
+
+@pytest.mark.parametrize("dialect", REASONING_REPLIES)
+async def test_a_model_that_would_not_stop_reasoning_is_stopped_saying_so_in_any_dialect(
+    fake_model: FakeModel, dialect: str
+) -> None:
+    # A small model can loop in its reasoning for ever, a piece at a time, never silent for long
+    # enough to time out: past as much as one message may hold, the call ends, and no answer is taken.
+    reply = REASONING_REPLIES[dialect]
+    looping = "I must check the lease again. " * (MAX_REASONING_CHARS // 30 + 100)
+    if reply.reasoning:
+        reply = attrs.evolve(reply, reasoning=looping)
+    else:  # a block opening the content
+        reply = attrs.evolve(reply, text=reply.text.replace(REASONING, looping))
+    fake_model.script = [attrs.evolve(reply, chunk_chars=1 << 16)]
+    received: list[Any] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelReasoningRunaway) as raised:
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    assert str(raised.value) == (
+        f"model 'qwen3:4b-instruct' would not stop reasoning: it reasoned for more than {MAX_REASONING_CHARS} characters"
+        " and had not started its answer; ask again, or for less in one message"
+    )
+    assert not [delta for delta in received if isinstance(delta, TextDelta)]
