@@ -347,3 +347,7 @@ class MemoryTaskStore(_Closable):
     async def unfinished(self) -> Sequence[TaskRecord]:
         await self._enter()
         return sorted((r for r in self.tasks.values() if r.state in UNFINISHED_STATES), key=lambda r: (r.created_at_ms, r.id))
+
+    async def newest_status_ms(self) -> int | None:
+        await self._enter()
+        return max((record.updated_at_ms for record in self.tasks.values()), default=None)

@@ -341,11 +341,22 @@ class SqliteTaskStore(WriterBacked):
         rows = await self.pool.run(lambda conn: conn.execute(_UNFINISHED).fetchall())
         return [record_from_row(row) for row in rows]
 
+    async def newest_status_ms(self) -> int | None:
+        """The latest status time of any owner's task: the newest of each owner's, each the first
+        row of the owner's index, rather than a walk of every task."""
+        return await self.pool.run(lambda conn: conn.execute(_NEWEST).fetchone()[0])
+
 
 # Written out, not bound: the index of unfinished tasks serves only a query whose WHERE is its own.
 _UNFINISHED = (
     f"SELECT {_COLUMNS} FROM tasks WHERE state IN ({', '.join(repr(state) for state in UNFINISHED_STATES)})"
     " ORDER BY created_at_ms, id"
+)
+
+
+_NEWEST = (
+    "SELECT max((SELECT updated_at_ms FROM tasks WHERE owner = owners.owner ORDER BY updated_at_ms DESC, id DESC LIMIT 1))"
+    " FROM (SELECT DISTINCT owner FROM task_counts) AS owners"
 )
 
 

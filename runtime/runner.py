@@ -48,6 +48,7 @@ from runtime.tasks import (
     STORED_VERSION,
     LiveTask,
     StreamItem,
+    dated_after,
     decode,
     encode,
     new_id,
@@ -132,6 +133,7 @@ class Runner:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                dated_after(await self.tasks.newest_status_ms())  # before any status is given
                 await self._adopt_orphans()
                 task_status.started(self)
                 await self._stopping.wait()

@@ -230,6 +230,15 @@ def with_status(task: Task, state: TaskState, message: Message | None = None) ->
 _newest_status = _EPOCH  # the latest time status_time has given in this process
 
 
+def dated_after(newest_ms: int | None) -> None:
+    """Status times from now on come after ``newest_ms``, the latest a task was stored with (by
+    an earlier process): a server started while the clock is behind it (set back since) dates its
+    tasks after those before it, as status_time does in one process."""
+    global _newest_status
+    if newest_ms is not None:
+        _newest_status = max(_newest_status, _EPOCH + timedelta(milliseconds=newest_ms))
+
+
 def status_time(previous: datetime | None = None) -> datetime:
     """The time for a status given now: a millisecond after ``previous`` (the task's last status)
     while the clock is not past it, and, while the clock is behind the latest time given in this
@@ -237,7 +246,7 @@ def status_time(previous: datetime | None = None) -> datetime:
     task made or changed later as earlier: ListTasks, which sorts and filters by that date, would
     list it behind tasks it came after, a client polling from the newest status it has seen
     would not see it until the clock caught up, and a restart would take up one conversation's
-    unfinished tasks in another order than they came."""
+    unfinished tasks in another order than they came. (An earlier process's: dated_after.)"""
     global _newest_status
     moment = now()
     if moment < _newest_status:

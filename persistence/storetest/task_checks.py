@@ -338,6 +338,17 @@ async def unfinished_tasks_are_found_across_owners(backend: Backend) -> None:
 
 
 @task_check
+async def the_newest_status_time_is_found_across_owners(backend: Backend) -> None:
+    async with backend.tasks() as store:
+        assert await store.newest_status_ms() is None
+        await store.create("alice", task_id="a", context_id="c", state=SUBMITTED, task_json="{}", updated_at_ms=3000)
+        await store.create("bob", task_id="b", context_id="c", state=SUBMITTED, task_json="{}", updated_at_ms=1000)
+        await store.update("bob", "b", state=WORKING, task_json="{}", expected_version=1, updated_at_ms=5000)
+        await store.create("carol", task_id="c", context_id="c", state=SUBMITTED, task_json="{}", updated_at_ms=4000)
+        assert await store.newest_status_ms() == 5000
+
+
+@task_check
 async def a_task_outlives_the_store_that_wrote_it(backend: Backend) -> None:
     async with backend.tasks() as store:
         await make_task(store, "t1")

@@ -8,10 +8,12 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -135,6 +137,44 @@ async def test_a_task_left_working_by_a_sigkill_is_resumed_by_the_next_process(t
             await keel.terminate()
     # The step in flight was redone from the saved transcript: the same question, asked again.
     assert [m.get("content") for m in fake_model.bodies[-1]["messages"] if m["role"] == "user"] == ["Tell me slowly."]
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parsed_time(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+async def test_tasks_made_after_a_restart_with_the_clock_behind_are_dated_after_those_before_it(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # A machine whose clock is set back while its server is stopped (a clock that ran ahead, put
+    # right; a VM restored from an image): its next tasks must still come after the last ones, or
+    # ListTasks would list them behind, and a client polling from the newest status it saw would
+    # not see them until the clock caught up.
+    fake_model.default = Reply(text="Renew it.")
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url) as keel:
+            first = (await rpc(client, keel.url, "SendMessage", {"message": user_message("first")}))["result"]["task"]
+            assert await keel.terminate() == 0
+        ahead = parsed_time(first["status"]["timestamp"]) + timedelta(hours=1)
+        with closing(sqlite3.connect(state / "tasks.db")) as db, db:  # as if the clock was set back an hour since
+            db.execute(
+                "UPDATE tasks SET created_at_ms = created_at_ms + 3600000, updated_at_ms = updated_at_ms + 3600000,"
+                " task = json_set(task, '$.status.timestamp', ?)",
+                (rfc3339(ahead),),
+            )
+        async with keel_process(state, fake_model.base_url) as keel:
+            second = (await rpc(client, keel.url, "SendMessage", {"message": user_message("second")}))["result"]["task"]
+            listed = (await rpc(client, keel.url, "ListTasks", {}))["result"]["tasks"]
+            polled = (await rpc(client, keel.url, "ListTasks", {"statusTimestampAfter": rfc3339(ahead)}))["result"]["tasks"]
+            assert await keel.terminate() == 0
+    assert parsed_time(second["status"]["timestamp"]) > ahead
+    assert [task["id"] for task in listed] == [second["id"], first["id"]]
+    assert [task["id"] for task in polled] == [second["id"], first["id"]]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGHUP], ids=["SIGQUIT", "SIGHUP"])
