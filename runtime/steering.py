@@ -197,6 +197,11 @@ class Steering:
             )
         if live is None:
             return None
+        if live.scope.cancel_called:  # the task as read may predate the cancel: its run asks the model nothing more
+            return UnsupportedOperation(
+                f"task {task_id!r} takes no more messages: it has been canceled; send this message without a taskId, in the"
+                " same contextId, to start the conversation's next task"
+            )
         if live.turn_over or live.steers.closed:  # its end not yet written, or its last answer on its way
             return UnsupportedOperation(
                 f"task {task_id!r} takes no more messages: its run is giving, or has given, its last answer; send this"
@@ -208,6 +213,11 @@ class Steering:
                 " run stopped; send this message again in a moment"
             )
         ahead = self.turns.ahead_of(live)
+        if ahead is not None and ahead.scope.cancel_called:  # still ending (a tool slow to stop, say): no steer for it either
+            return UnsupportedOperation(
+                f"task {task_id!r} has not started: it waits while task {ahead.task.id!r}, which has been canceled, lets its"
+                " conversation's turn go; send this message again once the task is working"
+            )
         if ahead is not None:
             # Stored now, it would be taken by the first look of the run ahead, and dropped there
             # as another task's steer: this task's run would never see it.
