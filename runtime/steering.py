@@ -213,19 +213,18 @@ class Steering:
                 " run stopped; send this message again in a moment"
             )
         ahead = self.turns.ahead_of(live)
-        if ahead is not None and ahead.scope.cancel_called:  # still ending (a tool slow to stop, say): no steer for it either
-            return UnsupportedOperation(
-                f"task {task_id!r} has not started: it waits while task {ahead.task.id!r}, which has been canceled, lets its"
-                " conversation's turn go; send this message again once the task is working"
-            )
-        if ahead is not None:
-            # Stored now, it would be taken by the first look of the run ahead, and dropped there
-            # as another task's steer: this task's run would never see it.
-            return UnsupportedOperation(
-                f"task {task_id!r} has not started: it waits while task {ahead.task.id!r} has its conversation's turn; "
-                "send this message again once the task is working, or send it to that task to steer it"
-            )
-        return None
+        if ahead is None:
+            return None
+        # Stored now, it would be taken by the first look of the run ahead, and dropped there as
+        # another task's steer: this task's run would never see it. The run ahead is named to
+        # steer instead only while it takes steers.
+        waits = f"task {task_id!r} has not started: it waits while task {ahead.task.id!r}"
+        again = "send this message again once the task is working"
+        if ahead.scope.cancel_called:  # still ending (a tool slow to stop, say)
+            return UnsupportedOperation(f"{waits}, which has been canceled, lets its conversation's turn go; {again}")
+        if ahead.turn_over or ahead.steers.closed:
+            return UnsupportedOperation(f"{waits} gives its last answer; {again}")
+        return UnsupportedOperation(f"{waits} has its conversation's turn; {again}, or send it to that task to steer it")
 
     async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
         """Record a steering message in the task's history, whoever writes the task meanwhile.

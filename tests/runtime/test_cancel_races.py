@@ -142,3 +142,27 @@ async def test_a_task_waiting_behind_a_canceled_run_is_not_sent_to_steer_that_ru
         " conversation's turn go; send this message again once the task is working"
     )
     assert done.status.state is TaskState.COMPLETED
+
+
+async def test_a_task_waiting_behind_a_run_giving_its_last_answer_is_not_sent_to_steer_that_run(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # A run in the budget's last model call takes no steer; the task waiting behind it was told to
+    # send its steer there.
+    fake_model.script = [Reply(text="The lease expired because", chunk_chars=4, hang_after_chunks=3), Reply(text="Done.")]
+    async with serve_keel(tmp_path / "state", fake_model, agent=AgentSpec(max_model_calls=1)) as keel:
+        first = await keel.send("Why did the lease expire?", blocking=False)
+        with trio.fail_after(DEADLINE_S):
+            while not fake_model.bodies:  # its one model call is under way
+                await trio.sleep(0.005)
+        second = await keel.send("Then renew it", blocking=False, contextId=first["contextId"])
+        error = await keel.error("SendMessage", {"message": message("for a week", taskId=second["id"])})
+        await keel.result("CancelTask", {"id": first["id"]})
+        with trio.fail_after(DEADLINE_S):
+            done = await keel.runner.wait_settled(ANONYMOUS, second["id"])
+    assert error["code"] == -32004
+    assert error["message"] == (
+        f"task {second['id']!r} has not started: it waits while task {first['id']!r} gives its last answer; send this"
+        " message again once the task is working"
+    )
+    assert done.status.state is TaskState.COMPLETED
