@@ -134,16 +134,24 @@ class DatabaseFailed(StoreError):
 
 
 class DatabaseGone(DatabaseFailed):
-    """The file was removed or replaced under an open connection: SQLite would go on writing to
-    the old one, which nothing reads again, so a write there would be acknowledged and lost."""
+    """The file, or its -wal, was removed or replaced under an open connection: SQLite would go on
+    writing to the old one, which nothing reads again, so a write there would be acknowledged and lost."""
 
-    def __init__(self, path: object) -> None:
+    def __init__(self, path: object, *, log: bool = False) -> None:
         self.path = path
-        StoreError.__init__(
-            self,
-            f"{path}: the database file was removed or replaced while the server had it open, so no write is taken"
-            " (it would be lost); put the file back, or restart the server to use the file now there",
-        )
+        self.log = log  # its -wal, rather than the file itself
+        if log:
+            message = (
+                f"{path}-wal: the database's write-ahead log was removed or replaced while the server had it open, so no"
+                " write is taken (it would be lost); stop the server with SIGTERM (closing the database moves what the"
+                " removed log holds into it) and start it again"
+            )
+        else:
+            message = (
+                f"{path}: the database file was removed or replaced while the server had it open, so no write is taken"
+                " (it would be lost); put the file back, or restart the server to use the file now there"
+            )
+        StoreError.__init__(self, message)
 
 
 class DatabaseBusy(DatabaseFailed):

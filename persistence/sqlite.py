@@ -342,6 +342,10 @@ def inspect(path: Path, schema: Schema) -> int:
     return version
 
 
+def _log_of(path: Path) -> Path:
+    return path.with_name(path.name + "-wal")
+
+
 def _unusable(path: Path, exc: sqlite3.DatabaseError) -> StoreError:
     """Why a database could not be opened: the file is damaged (not a database, or corrupt), or
     only held by another program for now, or SQLite failed otherwise. Only a damaged file is
@@ -397,6 +401,7 @@ class SqlitePool:
     path: Path
     _conn: sqlite3.Connection = attrs.field(alias="conn")
     _file: tuple[int, int] | None = attrs.field(default=None, alias="file")  # (device, inode) opened
+    _log: tuple[int, int] | None = attrs.field(default=None, alias="log")  # and of its -wal
     _jobs: queue.SimpleQueue[_Job] = attrs.field(init=False, factory=queue.SimpleQueue)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
@@ -414,23 +419,27 @@ class SqlitePool:
                 raise DatabaseFailed(path, exc) from exc
             try:
                 migrate(path, conn, schema)
-                opened = os.stat(path)
+                opened, log = os.stat(path), os.stat(_log_of(path))  # migrate's transaction made the -wal
             except BaseException:
                 conn.close()
                 raise
-            return cls(path=path, conn=conn, file=(opened.st_dev, opened.st_ino))
+            return cls(path=path, conn=conn, file=(opened.st_dev, opened.st_ino), log=(log.st_dev, log.st_ino))
 
         return await trio.to_thread.run_sync(open_sync)
 
     def check_file(self) -> None:
-        """Raise DatabaseGone if the file opened is no longer at its path (removed, or replaced:
-        a state directory deleted under the server, say). In the pool's thread: a stat."""
-        try:
-            now = os.stat(self.path)
-        except OSError:
-            raise DatabaseGone(self.path) from None
-        if self._file is not None and (now.st_dev, now.st_ino) != self._file:
-            raise DatabaseGone(self.path)
+        """Raise DatabaseGone if the file opened, or its -wal, is no longer at its path (removed,
+        or replaced: a state directory deleted under the server, say). SQLite goes on writing to
+        the -wal it has open, which no process reads after this one. Blocking: two stats."""
+        for path, opened, log in ((self.path, self._file, False), (_log_of(self.path), self._log, True)):
+            try:
+                now = os.stat(path)
+            except OSError:
+                if log and opened is None:  # not known to have been there
+                    continue
+                raise DatabaseGone(self.path, log=log) from None
+            if opened is not None and (now.st_dev, now.st_ino) != opened:
+                raise DatabaseGone(self.path, log=log)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(conn, *args)`` in the pool's thread and return what it returns.

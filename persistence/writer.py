@@ -13,7 +13,7 @@ import attrs
 import outcome
 import trio
 
-from persistence.errors import DatabaseFailed, StoreClosed
+from persistence.errors import DatabaseFailed, DatabaseGone, StoreClosed
 from persistence.sqlite import SqlitePool, begin_immediate
 
 T = TypeVar("T")
@@ -153,7 +153,12 @@ class GroupCommitWriter:
             batch = self._queue.popleft() if self._queue else None
         if batch is not None:
             try:
-                self.pool.check_file()  # a stat: a write to a file deleted under the server is lost
+                try:
+                    self.pool.check_file()  # a stat: a write to a file deleted under the server is lost
+                except DatabaseGone as gone:
+                    if gone.log:  # what the removed -wal holds, acknowledged, goes into the file, durable there
+                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                    raise
                 _commit_batch(conn, batch.items, self.hooks)
             except sqlite3.Error as exc:  # named for the file, as the pool names its own calls' errors
                 failure = DatabaseFailed(self.pool.path, exc)

@@ -173,7 +173,9 @@ async def _serve_in(
             )
             runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
             try:
-                await _serve_http(nursery, config, http_config, runner, catalog, shutdown, hurry, started, task_status)
+                await _serve_http(
+                    nursery, config, http_config, runner, (sessions, tasks), catalog, shutdown, hurry, started, task_status
+                )
             except BaseException:
                 if not started.is_set():  # what the runner took up is left as it was, for the next process
                     runner.abandon()
@@ -206,6 +208,7 @@ async def _serve_http(
     config: Config,
     http_config: _HttpConfig,
     runner: Runner,
+    stores: tuple[SqliteSessionStore, SqliteTaskStore],
     catalog: ModelCatalog,
     shutdown: trio.Event,
     hurry: trio.Event | None,
@@ -213,10 +216,12 @@ async def _serve_http(
     task_status: trio.TaskStatus[Started],
 ) -> None:
     """Step 7: the A2A surface on hypercorn, until the drain is over and HTTP has closed."""
+    sessions, tasks = stores
     readiness = Readiness()
     health = Health(
-        state_dir=config.state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping
-    )
+        state_dir=config.state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping,
+        opened={SESSIONS_FILE: sessions.pool.check_file, TASKS_FILE: tasks.pool.check_file},
+    )  # fmt: skip
     http_done = trio.Event()
 
     async def drain_then_close_http() -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Protocol, TypeVar, TypeVarTuple
 
@@ -85,6 +85,9 @@ class Health:
     session_file: str = SESSIONS_FILE
     task_file: str = TASKS_FILE
     draining: Callable[[], bool] | None = None  # true once the server is shutting down
+    # For each store file the server has open, by name, a blocking check that it is still the
+    # file opened (``SqlitePool.check_file``): one removed or replaced under it takes no writes.
+    opened: Mapping[str, Callable[[], None]] = attrs.field(factory=dict)
     probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
     min_free_bytes: int = attrs.field(default=MIN_FREE_BYTES, validator=attrs.validators.ge(0))
     # One worker thread per probe of a file at most: a check stuck on a stalled disk or on
@@ -170,7 +173,7 @@ class Health:
     async def _store_problem(self, label: str, name: str, schema: Schema) -> str | None:
         path = self.state_dir / name
         try:
-            await self._in_thread(_inspect_existing, path, schema)
+            await self._in_thread(_inspect_existing, path, schema, self.opened.get(name))
         except _Missing:
             return f"{label} is not initialized: {name} is missing"
         except Exception as exc:  # SchemaError, sqlite3.Error, OSError: all mean "cannot use it"
@@ -221,10 +224,17 @@ def _touch_and_measure(state_dir: Path) -> int:
     return free_bytes(state_dir)
 
 
-def _inspect_existing(path: Path, schema: Schema) -> None:
-    """``inspect`` passes an absent file (first boot); after startup an absent file is a fault."""
+def _inspect_existing(path: Path, schema: Schema, still_opened: Callable[[], None] | None) -> None:
+    """``inspect`` passes an absent file (first boot); after startup an absent file is a fault,
+    and so is one that is not the file the server has open (``still_opened`` raises)."""
     if not path.is_file():
         raise _Missing(path)
+    if still_opened is not None:
+        still_opened()
     # sqlite3 says only that it cannot open the file: a process out of descriptors is told here.
-    os.close(os.open(path, os.O_RDONLY))
+    # By opening its directory, never the file: closing a descriptor of the file would let go of
+    # every POSIX lock this process holds on it, the server's connection's among them, and the
+    # next process to close the database (a snapshot) would then take the -wal for unused and
+    # remove it while the server goes on writing there.
+    os.close(os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY))
     inspect(path, schema)
