@@ -458,7 +458,7 @@ class Runner:
 
     async def _adopt_orphans(self) -> None:
         """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left
-        hanging. Those of one context take their turns in the order they were created."""
+        hanging. Those of one context take their turns in the order they would have (Turns.line_up)."""
         # First, the steers a dead process stored and never recorded in their tasks (it died
         # between the two writes): in the history of the task taken up, and of one that ended.
         await self._steering.record_pending()
@@ -466,7 +466,7 @@ class Runner:
         # stops the start with no run begun, rather than cancel the runs begun before it.
         orphans = [(record, decode(record)) for record in await self.tasks.unfinished()]  # oldest first
         if self.config.orphans == "resume":
-            self._turns.line_up(task for _, task in orphans)
+            await self._turns.line_up(task for _, task in orphans)
         for record, task in orphans:
             live = self._live_task(record.owner, task, record.version)
             if self.config.orphans == "resume":

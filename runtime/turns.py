@@ -9,6 +9,7 @@ turn and ``ahead_of`` for the run that has it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
@@ -16,8 +17,12 @@ import attrs
 import trio
 
 from persistence.api import SessionStore
+from persistence.errors import StoreError
+from persistence.session import Session
 from protocol import Task
 from runtime.tasks import LiveTask
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.define(eq=False)
@@ -32,17 +37,39 @@ class Turns:
     _lines: dict[str, list[LiveTask]] = attrs.field(init=False, factory=dict)
     # Tasks resumed at startup, by id: the event set once the task before it on its context has
     # queued for the turn lock, and the one this task sets when it has. So the turns of one
-    # context are taken in the order their tasks were created, as they would have been.
+    # context are taken in the order they would have been (see ``line_up``).
     _in_line: dict[str, tuple[trio.Event | None, trio.Event]] = attrs.field(init=False, factory=dict)
 
-    def line_up(self, resumed: Iterable[Task]) -> None:
+    async def line_up(self, resumed: Iterable[Task]) -> None:
         """Have the tasks resumed at startup (oldest first) queue for their conversations' turns
-        in that order, each once the one before it on its context has queued."""
+        in the order they would have taken them, each once the one before it on its context has
+        queued: those whose turn the conversation holds first, then the others, oldest first."""
         last_in_line: dict[str, trio.Event] = {}
-        for task in resumed:
+        for task in await self._begun_first(resumed):
             queued = trio.Event()
             self._in_line[task.id] = (last_in_line.get(task.context_id), queued)
             last_in_line[task.context_id] = queued
+
+    async def _begun_first(self, resumed: Iterable[Task]) -> list[Task]:
+        """``resumed`` with, in each conversation, the tasks whose turn its transcript holds first,
+        in the order of their turns. Two messages sent at once can take the turn in the other
+        order than their tasks were made: the one that waited, resumed first, would answer the
+        other's question with its own, and the other then fail, overtaken."""
+        by_context: dict[str, list[Task]] = {}
+        for task in resumed:
+            by_context.setdefault(task.context_id, []).append(task)
+        ordered = []
+        for context_id, tasks in by_context.items():
+            if len(tasks) > 1:
+                try:
+                    messages = await Session.open(context_id, self.sessions).messages()
+                except StoreError as exc:  # each run reads it again, and fails saying why
+                    logger.warning("context %s: its transcript could not be read to order its resumed tasks: %s", context_id, exc)
+                    messages = []
+                begun = {message.turn_id: index for index, message in enumerate(messages) if message.turn_id}
+                tasks.sort(key=lambda task: begun.get(task.id, len(messages)))  # stable: the others stay oldest first
+            ordered.extend(tasks)
+        return ordered
 
     @asynccontextmanager
     async def taking(self, live: LiveTask) -> AsyncIterator[None]:

@@ -75,14 +75,19 @@ def joined_user_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     and the next one began, or where a steer came before the model's first answer. Many chat
     templates (Mistral's, Gemma's and others, as vLLM and llama.cpp's server apply them) refuse
     a conversation whose roles do not alternate, and with it every later turn of it; the model
-    reads the joined message as it would have read the two."""
+    reads the joined message as it would have read the two. A message the same as the one just
+    before it is not repeated: a turn that fails tells its client to send the message again, and
+    the model is to read the question once, however many turns failed on it."""
     joined: list[dict[str, Any]] = []
+    previous = None  # the content of the message before
     for message in messages:
         last = joined[-1] if joined else None
         if last is not None and last["role"] == message["role"] == "user" and last.get("name") == message.get("name"):
-            joined[-1] = {**last, "content": "\n\n".join(filter(None, (last["content"], message["content"])))}
+            if message["content"] != previous:
+                joined[-1] = {**last, "content": "\n\n".join(filter(None, (last["content"], message["content"])))}
         else:
             joined.append(message)
+        previous = message["content"]
     return joined
 
 

@@ -321,6 +321,9 @@ async def test_with_orphans_fail_a_task_left_working_by_a_sigkill_is_failed_with
             )
             task_id = sent["result"]["task"]["id"]
             await wait_stored_state(state, task_id, ["TASK_STATE_WORKING"])
+            with trio.fail_after(30):  # asked before the kill: a request still on its way would be counted after it
+                while not fake_model.bodies:
+                    await trio.sleep(0.02)
             assert await keel.kill() == -9
         asked = len(fake_model.bodies)
         async with keel_process(state, fake_model.base_url, "--orphans", "fail") as keel:

@@ -111,3 +111,14 @@ async def test_the_question_after_a_steer_whose_turn_was_canceled_is_not_sent_as
     # One user message, so that the roles alternate; the question under a label of its own, not
     # read as more of what was sent while the agent worked.
     assert sent(keel.model.bodies[2])[-1] == ("user", f"{STEER_LABEL}Check staging too\n\n{NEXT_LABEL}Rotate the lease")
+
+
+async def test_a_question_sent_again_after_its_turn_failed_is_sent_to_the_model_once(keel: Served) -> None:
+    # A turn that fails says to send the message again; each time the client does, the model must
+    # read the question once, not once for every failed turn before it.
+    keel.model.script = [Reply(text=""), Reply(text=""), Reply(text="At 03:00 UTC.")]
+    failed = await keel.send("When did the lease expire?")
+    for _ in range(2):
+        answered = await keel.send("When did the lease expire?", contextId=failed["contextId"])
+    assert answered["status"]["state"] == "TASK_STATE_COMPLETED"
+    assert [sent(body)[1:] for body in keel.model.bodies] == [[("user", "When did the lease expire?")]] * 3

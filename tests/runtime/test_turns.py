@@ -4,8 +4,9 @@ asked only once the task's WORKING state and the transcript are both durable."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from runtime.agent.steers import steer_message
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
 from runtime.tasks import STORED_VERSION, encode, message_text, new_id, now
+from tests.runtime.served import GATE_CALL, serve_keel
 
 DEADLINE_S = 10.0
 QUESTION = "Is the deploy done?"
@@ -386,3 +388,29 @@ async def test_a_steer_to_a_resumed_task_whose_answer_was_stored_is_refused_or_t
     else:  # taken: a request carried it, after the stored answer
         assert [user_texts(body)[-1] for body in fake_model.bodies] == [steer_message("At what time?").text]
         assert stored == [QUESTION, "Yes.", steer_message("At what time?").text, "Yes, at noon."]
+
+
+async def test_a_turn_begun_before_its_process_died_goes_on_before_the_tasks_that_waited_for_it(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # Sent at once, the message whose task is made second can take the conversation's turn first
+    # (the writes of one commit wake in either order), leaving a task made before it waiting. After
+    # a crash, the turn that had begun goes on first: the waiting task, resumed before it, would
+    # answer both questions as one, and the other would fail, overtaken.
+    fake_model.script = [Reply(tool_calls=[GATE_CALL])]
+    async with serve_keel(tmp_path, fake_model) as keel:
+        begun = await keel.send("Roll back the deploy.", blocking=False, contextId="ctx-1")
+        await keel.gate.wait_entered()
+        waiting = await keel.send("Then page the owner.", blocking=False, contextId="ctx-1")
+    # Leaving the block cancels the runner without stopping it: the tasks stay as a crash leaves them.
+    with closing(sqlite3.connect(tmp_path / "tasks.db")) as conn, conn:  # made a millisecond before the other
+        conn.execute(
+            "UPDATE tasks SET created_at_ms = (SELECT created_at_ms - 1 FROM tasks WHERE id = ?) WHERE id = ?",
+            (begun["id"], waiting["id"]),
+        )
+    fake_model.script = [Reply(text="Rolled back."), Reply(text="Paged.")]
+    async with serve_keel(tmp_path, fake_model) as keel:
+        with trio.fail_after(DEADLINE_S):
+            settled = [await keel.runner.wait_settled(ANONYMOUS, task["id"]) for task in (begun, waiting)]
+    assert [task.status.state for task in settled] == [TaskState.COMPLETED, TaskState.COMPLETED]
+    assert [user_texts(body)[-1] for body in fake_model.bodies[1:]] == ["Roll back the deploy.", "Then page the owner."]
