@@ -191,6 +191,7 @@ def write_new_file(path: Path, data: bytes, *, mode: int = DOCUMENT_MODE) -> Non
     """Create ``path`` (it must not exist), write ``data`` and fsync it; the caller fsyncs the directory."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
+        owned_as_directory(fd, path.parent)
         write_all(fd, data)
         os.fsync(fd)
     finally:
@@ -290,15 +291,16 @@ def make_dirs(path: Path) -> None:
     """Make the directory ``path`` unless it is there, and each missing parent, every one with
     DIR_MODE (less what the umask takes away). Not ``mkdir -p``, whose parents get what the umask
     leaves of 0777: under a umask of 000, directories any user may write in, and so replace what
-    they hold (the state directory, with every conversation). Raises OSError as os.mkdir does."""
+    they hold (the state directory, with every conversation). Each is owned as the directory it is
+    made in is (see owned_as_directory). Raises OSError as os.mkdir does."""
     try:
-        os.mkdir(path, DIR_MODE)
+        make_fresh_dir(path)
     except FileNotFoundError:
         if path.parent == path:
             raise
         make_dirs(path.parent)
         try:
-            os.mkdir(path, DIR_MODE)
+            make_fresh_dir(path)
         except FileExistsError:  # made meanwhile by another process
             if not path.is_dir():
                 raise
@@ -421,5 +423,7 @@ def _database_owner(path: Path) -> str:
 
 
 def make_fresh_dir(path: Path) -> None:
-    """Create a directory that must not exist yet (a staging or quarantine directory)."""
+    """Create a directory that must not exist yet (a staging or quarantine directory), owned as
+    the directory it is made in is (see owned_as_directory)."""
     os.mkdir(path, DIR_MODE)
+    owned_as_directory(path, path.parent)

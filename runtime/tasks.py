@@ -228,6 +228,8 @@ def with_status(task: Task, state: TaskState, message: Message | None = None) ->
 
 
 _newest_status = _EPOCH  # the latest time status_time has given in this process
+_LAST = datetime.max.replace(microsecond=999000, tzinfo=timezone.utc)  # the last millisecond a status can be dated
+_LAST_MS = (_LAST - _EPOCH) // timedelta(milliseconds=1)
 
 
 def dated_after(newest_ms: int | None) -> None:
@@ -235,7 +237,7 @@ def dated_after(newest_ms: int | None) -> None:
     an earlier process): a server started while the clock is behind it (set back since) dates its
     tasks after those before it, as status_time does in one process."""
     global _newest_status
-    if newest_ms is not None:
+    if newest_ms is not None and newest_ms <= _LAST_MS:  # one past any date was given by no clock: damaged
         _newest_status = max(_newest_status, _EPOCH + timedelta(milliseconds=newest_ms))
 
 
@@ -250,11 +252,17 @@ def status_time(previous: datetime | None = None) -> datetime:
     global _newest_status
     moment = now()
     if moment < _newest_status:
-        moment = _newest_status + timedelta(milliseconds=1)
+        moment = _later(_newest_status)
     if previous is not None and moment <= previous:
-        moment = previous + timedelta(milliseconds=1)
+        moment = _later(previous)
     _newest_status = max(moment, _newest_status)
     return moment
+
+
+def _later(moment: datetime) -> datetime:
+    """A millisecond after ``moment``, or ``moment`` itself at the last millisecond a date can hold
+    (a clock once set there): the status times after it are then all that one."""
+    return moment if moment >= _LAST else moment + timedelta(milliseconds=1)
 
 
 async def load(tasks: TaskStore, owner: str, task_id: str) -> tuple[Task, int]:

@@ -259,8 +259,10 @@ def carries_reasoning(message: dict[str, Any]) -> bool:
 
 def reasoning_chars(message: dict[str, Any]) -> int:
     """How many characters of reasoning apart from its answer a message (or a chunk's delta)
-    carries, wherever carries_reasoning finds it."""
-    count = sum(len(text) for text in (message.get("reasoning_content"), message.get("reasoning")) if isinstance(text, str))
+    carries, wherever carries_reasoning finds it. A server that sends both ``reasoning_content``
+    and ``reasoning`` (an older name kept beside the newer) sends the same text twice: it counts once."""
+    fields = (message.get("reasoning_content"), message.get("reasoning"))
+    count = max((len(text) for text in fields if isinstance(text, str)), default=0)
     content = message.get("content")
     for part in content if isinstance(content, list) else []:
         if isinstance(part, dict) and part.get("type") == "thinking":

@@ -95,7 +95,9 @@ class Reply:
     repeat_call_names: bool = False
     finish_reason: str = ""  # "" gives "tool_calls" or "stop"
     reasoning: str = ""
-    reasoning_field: str = "reasoning_content"  # vLLM's, llama.cpp's and DeepSeek's; Ollama's is "reasoning"
+    # vLLM's, llama.cpp's and DeepSeek's; Ollama's is "reasoning". Several, space-separated, each
+    # carry the same text (as servers do that keep an older name beside the new one).
+    reasoning_field: str = "reasoning_content"
     content_parts: bool = False
     same_call_index: bool = False
     error_after_chunks: int | None = None
@@ -292,7 +294,7 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
         if reply.content_parts:
             yield chunk({"content": [{"type": "thinking", "thinking": [{"type": "text", "text": piece}]}]})
         else:
-            yield chunk({"content": "", reply.reasoning_field: piece})
+            yield chunk({"content": "", **dict.fromkeys(reply.reasoning_field.split(), piece)})
     for piece in _pieces(reply.text, reply.chunk_chars):
         yield chunk({"content": [{"type": "text", "text": piece}] if reply.content_parts else piece})
     for index, call in enumerate(reply.tool_calls):
@@ -317,7 +319,7 @@ def _completion(reply: Reply, request: dict[str, Any], number: int) -> dict[str,
         content = [*thinking, {"type": "text", "text": reply.text}]
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if reply.tool_calls else "")}
     if reply.reasoning and not reply.content_parts:
-        message[reply.reasoning_field] = reply.reasoning
+        message.update(dict.fromkeys(reply.reasoning_field.split(), reply.reasoning))
     if reply.tool_calls:
         message["tool_calls"] = [
             {"id": _call_id(call, number, index), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

@@ -177,6 +177,28 @@ async def test_tasks_made_after_a_restart_with_the_clock_behind_are_dated_after_
     assert [task["id"] for task in polled] == [second["id"], first["id"]]
 
 
+@pytest.mark.parametrize(
+    "stored_ms", [253402300799999, 2**62], ids=["last-date", "past-any-date"]
+)
+async def test_a_server_over_a_status_stored_at_the_end_of_time_starts_and_dates_its_tasks(
+    tmp_path: Path, fake_model: FakeModel, stored_ms: int
+) -> None:
+    # A clock once set far ahead (9999-12-31), or a status time damaged on disk: there is no
+    # millisecond after it to date the next task at, which must not stop the server making tasks.
+    fake_model.default = Reply(text="Renew it.")
+    state = tmp_path / "state"
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with keel_process(state, fake_model.base_url) as keel:
+            await rpc(client, keel.url, "SendMessage", {"message": user_message("first")})
+            assert await keel.terminate() == 0
+        with closing(sqlite3.connect(state / "tasks.db")) as db, db:
+            db.execute("UPDATE tasks SET updated_at_ms = ?", (stored_ms,))
+        async with keel_process(state, fake_model.base_url) as keel:
+            sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("second")})
+            assert sent.get("result", {}).get("task", {}).get("status", {}).get("state") == "TASK_STATE_COMPLETED", sent
+            assert await keel.terminate() == 0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGHUP], ids=["SIGQUIT", "SIGHUP"])
 async def test_sigquit_or_sighup_ends_serve_at_once_as_a_crash_does_and_the_next_process_resumes_the_task(
     tmp_path: Path, fake_model: FakeModel, sig: signal.Signals

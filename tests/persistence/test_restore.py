@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from persistence.journal import JOURNAL_NAME, QUARANTINE_PREFIX
 from persistence.recovery import hold_state_dir
 from persistence.restore import reset_state, restore_snapshot
 from persistence.schema import SchemaIdentity
@@ -38,6 +39,7 @@ from tests.persistence.state_helpers import (
     new_snapshot,
     old_generation,
     residue,
+    run_child,
     small_disk,
     snapshot_databases,
     start_child,
@@ -75,6 +77,46 @@ def test_restore_run_as_root_leaves_files_the_state_directorys_owner_can_open(tm
 
     owners = {path.name: (path.stat().st_uid, path.stat().st_gid) for path in state_dir.iterdir()}
     assert set(owners) >= {"runtime.db", "tasks.db", GENERATION_LOCK_NAME}
+    assert set(owners.values()) == {(65534, 65534)}, owners
+
+
+def owners_under(top: Path) -> dict[str, tuple[int, int]]:
+    """The owner and group of ``top`` and of everything under it, by path relative to ``top``'s parent."""
+    found = [top, *(Path(here) / name for here, dirs, files in os.walk(top) for name in (*dirs, *files))]
+    return {str(path.relative_to(top.parent)): (path.lstat().st_uid, path.lstat().st_gid) for path in found}
+
+
+def test_restore_run_as_root_into_a_missing_state_directory_leaves_it_to_the_owner_of_the_directory_above(
+    tmp_path: Path,
+) -> None:
+    # `sudo keel state restore` onto a new machine, or after the state directory was removed: the
+    # directory it makes is root's, 0750, and the server, run as its own user, cannot open it.
+    assert os.geteuid() == 0, "this test restores as root, as an operator may; run the suite as root"
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    restore_snapshot(new_snapshot(tmp_path), home / "keel" / "state")
+
+    owners = owners_under(home / "keel")
+    assert {"keel", "keel/state", "keel/state/tasks.db", f"keel/state/{GENERATION_LOCK_NAME}"} <= set(owners)
+    assert set(owners.values()) == {(65534, 65534)}, owners
+
+
+def test_a_restore_run_as_root_and_killed_midway_leaves_what_it_made_to_the_state_directorys_owner(tmp_path: Path) -> None:
+    # The server, run as its own user, recovers the directory as it starts: it must read the journal
+    # and remove the staging and quarantine directories the killed restore left.
+    assert os.geteuid() == 0, "this test restores as root, as an operator may; run the suite as root"
+    state_dir = tmp_path / "state"
+    old_generation(state_dir)
+    os.chown(state_dir, 65534, 65534)
+    for name in os.listdir(state_dir):
+        os.chown(state_dir / name, 65534, 65534)
+    killed = run_child("after-quarantine", new_snapshot(tmp_path), state_dir)
+    assert killed.returncode == 71, killed.stderr
+
+    owners = owners_under(state_dir)
+    quarantine = [f"state/{name}" for name in os.listdir(state_dir) if name.startswith(QUARANTINE_PREFIX)]
+    assert {f"state/{JOURNAL_NAME}", *quarantine} <= set(owners) and quarantine
     assert set(owners.values()) == {(65534, 65534)}, owners
 
 

@@ -78,6 +78,22 @@ def test_a_snapshot_taken_as_root_belongs_to_the_backup_roots_owner(state_dir: P
     assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, (65534, 65534))
 
 
+def test_a_snapshot_taken_as_root_into_a_missing_backup_root_leaves_it_to_the_owner_of_the_directory_above(
+    state_dir: Path,
+) -> None:
+    # The first `sudo keel state snapshot` into a backup root not made yet: made as root, 0750, the
+    # backup root would keep the user the server runs as from restoring or pruning what it holds.
+    assert os.geteuid() == 0, "this test snapshots as root, as an operator may; run the suite as root"
+    home = state_dir.parent / "home"
+    home.mkdir()
+    os.chown(home, 65534, 65534)
+    snapshot = create_snapshot(state_dir, home / "backups" / "keel", keep=7, app_version="1.2.3", stamp=STAMP)
+
+    made = [home / "backups", *(Path(top) / name for top, dirs, files in os.walk(home / "backups") for name in (*dirs, *files))]
+    assert snapshot in made and snapshot / "tasks.db" in made
+    assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, (65534, 65534))
+
+
 def test_snapshot_copies_committed_rows_while_a_writer_is_mid_transaction(state_dir: Path) -> None:
     writer = sqlite3.connect(state_dir / "tasks.db", isolation_level=None)
     try:

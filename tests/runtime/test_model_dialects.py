@@ -234,3 +234,18 @@ async def test_a_model_that_would_not_stop_reasoning_is_stopped_saying_so_in_any
         " and had not started its answer; ask again, or for less in one message"
     )
     assert not [delta for delta in received if isinstance(delta, TextDelta)]
+
+
+async def test_a_model_whose_server_sends_its_reasoning_under_both_names_may_reason_as_long_as_any_other(
+    fake_model: FakeModel,
+) -> None:
+    # A server that keeps the older name of the field beside the newer one sends the same text
+    # twice: it is as much reasoning as once, and the model is not stopped at half the bound.
+    reasoning = "I must check the lease once more. " * (MAX_REASONING_CHARS // 34 * 3 // 4)
+    fake_model.script = [
+        Reply(text="Renew it.", reasoning=reasoning, reasoning_field="reasoning_content reasoning", chunk_chars=1 << 16)
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            _, completion = await read_stream(client)
+    assert completion.message.text == "Renew it."
