@@ -65,6 +65,7 @@ ANONYMOUS = "anonymous"  # the owner of every task until requests carry an ident
 # A final state the store refused is tried again after 1 s, then twice as long each time, at most 30 s apart.
 END_RETRY_FIRST_S = 1.0
 END_RETRY_MAX_S = 30.0
+NAMED_A_LINE = 20  # task ids a log line of the shutdown names
 
 
 STOPPING = "the server is shutting down and takes no new tasks; send it again once the server that replaces it is up"
@@ -176,12 +177,13 @@ class Runner:
             scope.cancel()
 
     def _say_cut(self, why: str) -> None:
-        # Named: the runs the shutdown cancels, not those already over (their end being written)
-        # or cancelled by a CancelTask (whose CANCELED stands).
+        # Named, every one (NAMED_A_LINE a line): the runs the shutdown cancels, not those already
+        # over (their end being written) or cancelled by a CancelTask (whose CANCELED stands).
         left = sorted(task_id for task_id, live in self._live.items() if not live.turn_over and not live.scope.cancel_called)
-        if left:
-            named = ", ".join(left[:20]) + (", ..." if len(left) > 20 else "")
-            logger.warning("shutting down: %d task(s) %s: %s", len(left), why, named)
+        for first in range(0, len(left), NAMED_A_LINE):
+            more = " (continued)" if first else ""
+            named = ", ".join(left[first : first + NAMED_A_LINE])
+            logger.warning("shutting down: %d task(s) %s%s: %s", len(left), why, more, named)
 
     def stop(self) -> None:
         """Refuse new work and start draining (see ``run``)."""
@@ -377,7 +379,8 @@ class Runner:
         self._live[live.task.id] = live
         if self._idle.is_set():
             self._idle = trio.Event()
-        if self._drained:  # after the drain: recorded CANCELED, like the runs the drain cut
+        if self._drained:  # after the drain: recorded CANCELED, and named, like the runs the drain cut
+            logger.warning("shutting down: task %s, taken as the drain ended, is canceled", live.task.id)
             live.scope.cancel()
         self._nursery.start_soon(self._execute, live, name=f"task {live.task.id}")
         return True

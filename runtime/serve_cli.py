@@ -8,11 +8,13 @@ import functools
 import gc
 import logging
 import os
+import queue
 import resource
 import signal
 import sys
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import attrs
 import trio
@@ -125,7 +127,7 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    handler = logging.StreamHandler()
+    handler = LogHandler()
     handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     for chatty in ("httpx", "httpcore"):  # a line per model request is noise, and costs CPU
@@ -136,6 +138,8 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
         trio.run(functools.partial(_main, config, **options))
     except* (StoreError, OSError) as group:  # startup refused: say why, no traceback
         failures.extend(_leaves(group))
+    finally:
+        handler.close()  # the log's last lines, before what is said of the failures
     for failure in failures:
         print(f"error: {os_error_text(failure) if isinstance(failure, OSError) else failure}", file=sys.stderr)
     return 1 if failures else 0
@@ -172,6 +176,75 @@ class LogFormatter(logging.Formatter):
         return _escape_lines(super().formatStack(stack_info))
 
 
+LOG_LINES_HELD = 10_000  # lines waiting for a log reader that has stalled; past them, lines are dropped
+LOG_DRAIN_S = 1.0  # as the process ends, how long the lines still waiting may take to be written
+
+
+class LogHandler(logging.StreamHandler["_LineWriter"]):
+    """Log lines to stderr, written by a thread of their own (see _LineWriter). Closed (as the
+    process ends, by ``_serve`` or ``logging.shutdown()``), it gives the lines still waiting
+    LOG_DRAIN_S to be written."""
+
+    def __init__(self) -> None:
+        super().__init__(_LineWriter(sys.stderr))
+
+    def close(self) -> None:
+        self.stream.close_within(LOG_DRAIN_S)
+        super().close()
+
+
+class _LineWriter:
+    """A text stream that a thread of its own writes to ``stream``. A log reader that stalls (it
+    has stopped reading a pipe, which fills up) holds that thread alone: never the event loop, so
+    the server goes on serving, and takes SIGTERM and SIGINT. Past LOG_LINES_HELD lines waiting,
+    the lines are dropped, and how many is said once the reader takes lines again."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream  # None: started with stderr closed (`serve 2>&-`), where nothing is written
+        self._lines: queue.Queue[str | None] = queue.Queue(LOG_LINES_HELD)
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._write_lines, name="log writer", daemon=True)
+        self._thread.start()
+
+    def write(self, text: str) -> None:
+        if self._closed:  # the process is ending: written here
+            self._write(text)
+            return
+        try:
+            self._lines.put_nowait(text)
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+
+    def flush(self) -> None:
+        """Nothing to do: the thread flushes each line it writes."""
+
+    def close_within(self, timeout_s: float) -> None:
+        """Take no more lines, and give those waiting ``timeout_s`` to be written. Blocking."""
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(queue.Full):
+                self._lines.put(None, timeout=timeout_s)
+            self._thread.join(timeout_s)
+
+    def _write_lines(self) -> None:
+        while (text := self._lines.get()) is not None:
+            with self._lock:
+                dropped, self._dropped = self._dropped, 0
+            if dropped:
+                self._write(f"{dropped} log line(s) dropped while the log's reader took none\n")
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        if self._stream is None:
+            return
+        with contextlib.suppress(OSError, ValueError):  # a reader that has gone, or stderr closed
+            self._stream.write(text)
+            self._stream.flush()
+
+
 def _escape_lines(text: str) -> str:
     return "\n".join(line.translate(_CONTROLS) for line in text.split("\n"))
 
@@ -186,24 +259,25 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 async def _main(config: Config, **options: Any) -> None:
     shutdown, hurry, serving, stopped = trio.Event(), trio.Event(), trio.Event(), trio.Event()
+    # What a signal cancels: the server, not the watcher, which takes the signals that come while
+    # the server stops (a step under way, such as a database read, finishes first).
+    server = trio.CancelScope()
     async with trio.open_nursery() as nursery:
-        await nursery.start(_watch_signals, shutdown, hurry, nursery.cancel_scope, serving, stopped)
+        await nursery.start(_watch_signals, shutdown, hurry, server, serving, stopped)
+        try:
+            with server:
+                # Imported here, once signals are watched (a Ctrl-C while it loads ends the start
+                # without a traceback); and `check` must work without the server's imports.
+                from runtime.server import serve
 
-        async def server(*, task_status: trio.TaskStatus[Any]) -> None:
-            # Imported here, once signals are watched (a Ctrl-C while it loads ends the start
-            # without a traceback); and `check` must work without the server's imports.
-            from runtime.server import serve
-
-            try:
-                await serve(config, shutdown, hurry=hurry, task_status=task_status, **options)
-            finally:
-                stopped.set()
-                nursery.cancel_scope.cancel()  # the signal watcher is all that is left
-
-        started = await nursery.start(server)
-        serving.set()
-        _tune_collector()
-        _announce(f"keel serving A2A at {started.url} (state in {config.state_dir})")
+                async with trio.open_nursery() as serving_in:
+                    started = await serving_in.start(functools.partial(serve, config, shutdown, hurry=hurry, **options))
+                    serving.set()
+                    _tune_collector()
+                    _announce(f"keel serving A2A at {started.url} (state in {config.state_dir})")
+        finally:
+            stopped.set()
+            nursery.cancel_scope.cancel()  # the signal watcher is all that is left
 
 
 def _announce(line: str) -> None:
@@ -255,7 +329,8 @@ async def _watch_signals(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Before the server serves, SIGTERM or SIGINT ends the start at once. Then the first starts
+    """Before the server serves, SIGTERM or SIGINT ends the start at once (each one, until the step
+    under way has let go: the signals that come meanwhile are taken too). Then the first starts
     a graceful shutdown; a second cancels the runs at once (their clients are still answered);
     a third stops at once: the server is cancelled, and if it has not stopped within
     HARD_STOP_S, held by a client that takes nothing, the process exits without it, as after

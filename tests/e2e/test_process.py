@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -22,7 +23,7 @@ import httpx
 import pytest
 import trio
 
-from fake_model import Call, FakeModel, Reply
+from fake_model import Call, ErrorReply, FakeModel, Reply
 from persistence.journal import JOURNAL_NAME
 from persistence.statedir import GENERATION_LOCK_NAME
 from tests.e2e.harness import (
@@ -698,6 +699,104 @@ async def test_a_start_waiting_for_the_state_directory_stops_at_the_first_signal
         said = (await process.stdout.receive_some(65536)).decode()
         assert "keel serving" not in said and "Traceback" not in said
         assert f"waiting for another process (a snapshot, a restore, or a server starting) to let go of {state / GENERATION_LOCK_NAME}" in said
+
+
+async def test_a_log_reader_that_stalls_holds_neither_the_clients_nor_a_sigterm(tmp_path: Path, fake_model: FakeModel) -> None:
+    # The log goes to stderr: a pipe whose reader has stopped taking it (a paused pager, a log
+    # shipper that stalls) fills up. Written from the event loop, the next line blocked it: no
+    # request was answered, /livez neither, and SIGTERM went unheeded until the reader read again.
+    fake_model.default = ErrorReply(status=400, body="the model refuses: " + "x" * 500)  # each task logs a line of 600 bytes
+    reader, writer = os.pipe()
+    fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4096)  # the least a pipe holds: a few lines fill it
+    try:
+        process = await trio.lowlevel.open_process(
+            serve_command(tmp_path / "state", fake_model.base_url), stdout=subprocess.PIPE, stderr=writer, env=child_env()
+        )
+        os.close(writer)
+        writer = -1
+        keel = KeelProcess(process)
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            assert process.stdout is not None
+            said = b""
+            while not (served := SERVING.search(said)):
+                said += await process.stdout.receive_some(65536)
+        keel.url = served.group(1).decode()
+        async with httpx.AsyncClient(timeout=10) as client:
+            for n in range(20):  # 12 KB of log, three times what the pipe holds
+                task = (await rpc(client, keel.url, "SendMessage", {"message": user_message(f"q{n}")}))["result"]["task"]
+                assert task["status"]["state"] == "TASK_STATE_FAILED"
+            assert (await client.get(keel.url + "livez")).status_code == 200
+        assert await keel.terminate() == 0
+        logged = await trio.to_thread.run_sync(os.read, reader, 4096)
+        assert logged.startswith(b"20"), logged  # the log's first lines, the first one dated
+    finally:
+        if process.poll() is None:
+            process.kill()
+            await process.wait()
+        for fd in (reader, writer):
+            if fd >= 0:
+                os.close(fd)
+
+
+def has_open(process: trio.Process, path: Path) -> bool:
+    """Whether ``process`` has ``path`` open. One that has exited never will: that fails at once."""
+    assert process.poll() is None, f"serve exited with {process.returncode} before it opened {path}"
+    found = []
+    for fd in Path(f"/proc/{process.pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            found.append(Path(os.readlink(fd)))
+    return path.resolve() in found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda sig: sig.name)
+async def test_a_second_signal_while_a_stopped_start_finishes_the_step_under_way_is_taken_too(
+    tmp_path: Path, fake_model: FakeModel, sig: signal.Signals
+) -> None:
+    # The first signal ends the start once the step under way (here the read of a database another
+    # program holds, which SQLite waits up to 5 s for) lets go. A second, sent meanwhile, as an
+    # impatient operator does, found no one watching: SIGINT ended it in "error: interrupted"
+    # (exit 130), SIGTERM killed it (-15), rather than the start ending, saying so, with exit 0.
+    state = tmp_path / "state"
+    async with keel_process(state, fake_model.base_url) as keel:
+        assert await keel.terminate() == 0
+
+    def hold(database: Path) -> sqlite3.Connection:
+        held = sqlite3.connect(database, isolation_level=None, check_same_thread=False)
+        held.execute("PRAGMA locking_mode = EXCLUSIVE")  # no other connection reads it meanwhile
+        held.execute("BEGIN EXCLUSIVE")
+        return held
+
+    held = await trio.to_thread.run_sync(hold, state / "runtime.db")
+    try:
+        process = await trio.lowlevel.open_process(
+            serve_command(state, fake_model.base_url), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+        )
+        said = bytearray()
+
+        async def read_all() -> None:
+            assert process.stdout is not None
+            async for chunk in process.stdout:
+                said.extend(chunk)
+
+        async def wait_said(line: bytes, times: int) -> None:
+            while said.count(line) < times:
+                assert process.poll() is None, f"serve exited with {process.returncode}: {said.decode()}"
+                await trio.sleep(0.01)  # polling against a deadline: the line comes within ms
+
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_all)
+                while not has_open(process, state / "runtime.db"):  # its preflight waits for the database
+                    await trio.sleep(0.01)
+                for times in (1, 2):
+                    process.send_signal(sig)
+                    await wait_said(f"{sig.name} before the server was serving".encode(), times)
+                await trio.to_thread.run_sync(held.close)  # in this locking mode, only closing lets go
+                returncode = await process.wait()
+    finally:
+        await trio.to_thread.run_sync(held.close)  # a test that failed midway
+    assert returncode == 0, said.decode()
+    assert "Traceback" not in said.decode() and "error:" not in said.decode() and "keel serving" not in said.decode()
 
 
 def has_loaded(process: trio.Process, library: str) -> bool:

@@ -129,6 +129,34 @@ async def test_a_drain_its_runs_finish_says_so(tmp_path: Path, fake_model: FakeM
     assert "every task running finished" in lines[-1], lines
 
 
+async def test_a_drain_names_every_task_it_cancels_however_many(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The README promises the runs a shutdown cancels are named in the log, so that an operator
+    # can tell their clients which to send again. Past twenty, the line ended with "...".
+    caplog.set_level(logging.INFO)
+    fake_model.default = Reply(text="never done", hang_after_chunks=1)
+    count = 45
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        running_server(tmp_path / "state", fake_model.base_url, drain_timeout_s=0.5) as server,
+    ):
+        at_once = {"configuration": {"returnImmediately": True}}
+        sent = [await rpc(client, server.url, "SendMessage", {"message": user_message(f"q{n}"), **at_once}) for n in range(count)]
+        with trio.fail_after(20):
+            while fake_model.answering < count:  # every run is answering, and hangs there
+                await trio.sleep(0.01)
+        server.shutdown.set()
+        with trio.fail_after(30):
+            await server.stopped.wait()
+    cut = [record.getMessage() for record in said(caplog, "are canceled")]
+    assert f"shutting down: {count} task(s) did not finish within 0.5 s and are canceled: " in cut[0], cut
+    named = ", ".join(cut)
+    missing = [answer["result"]["task"]["id"] for answer in sent if answer["result"]["task"]["id"] not in named]
+    assert not missing, f"{len(missing)} task(s) cancelled but not named: {cut}"
+    assert all(len(line) < 4096 for line in cut)  # one line a record, each of a length a log reader takes
+
+
 async def test_a_tool_that_fails_or_runs_out_of_time_is_logged_once_naming_the_task(
     tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
 ) -> None:

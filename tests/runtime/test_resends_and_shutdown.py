@@ -124,6 +124,50 @@ async def test_the_drains_log_line_does_not_call_a_task_whose_run_had_ended_canc
     assert not any(task.id in line for line in said), said
 
 
+@attrs.define(eq=False)
+class HeldCreation(MemoryTaskStore):
+    """A task store whose new tasks land only once ``release`` is set (a slow disk)."""
+
+    entered: trio.Event = attrs.field(factory=trio.Event)
+    release: trio.Event = attrs.field(factory=trio.Event)
+
+    async def create(self, owner: str, **fields: Any) -> TaskRecord:
+        self.entered.set()
+        await self.release.wait()
+        return await super().create(owner, **fields)
+
+
+async def test_a_task_written_once_the_drain_is_over_is_named_among_those_the_shutdown_cancels(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A send taken before the shutdown whose task lands only after the drain's time is up: its
+    # run is cancelled as it starts and the task recorded CANCELED, as the drain's are. The log
+    # must name it with them, as it names every task the shutdown cancels.
+    tasks = HeldCreation()
+    runner = Runner(MemorySessionStore(), tasks, ScriptedModel([]), AgentSpec(), RunnerConfig(drain_timeout_s=0.5))
+    question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    sent: list[Task] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+
+        async def send() -> None:
+            sent.append(await runner.send(ANONYMOUS, SendMessageParams(message=question)))
+
+        nursery.start_soon(send)
+        with trio.fail_after(DEADLINE_S):
+            await tasks.entered.wait()
+        runner.stop()
+        await trio.sleep(1.0)  # the drain's 0.5 s are up; the write is within the 5 s it is given after
+        tasks.release.set()
+        with trio.fail_after(DEADLINE_S):
+            await runner.wait_stopped()
+    [task] = sent
+    ended = decode(await tasks.get(ANONYMOUS, task.id))
+    assert ended.status.state is TaskState.CANCELED
+    said = [r.getMessage() for r in caplog.records if "shutting down" in r.getMessage()]
+    assert any(task.id in line and "canceled" in line for line in said), said
+
+
 async def test_runs_cut_short_by_a_second_signal_say_the_server_shut_down(autojump_clock: trio.testing.MockClock) -> None:
     # serve's answer to a second SIGTERM/SIGINT is to cancel the server's nursery, the runner's
     # with it, during the drain. Those runs are cancelled by the shutdown as surely as the ones
