@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import attrs
 import trio
 
 
-@asynccontextmanager
-async def holding(lock: trio.Lock) -> AsyncIterator[None]:
+def holding(lock: trio.Lock) -> AbstractAsyncContextManager[None]:
     """``async with lock``, except that a free lock is taken at once: ``trio.Lock`` always
     passes through the scheduler first, which under load is a whole round of every runnable
     task, on every request. A lock that is held is waited for as usual, in turn."""
-    try:
-        lock.acquire_nowait()
-    except trio.WouldBlock:
-        await lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
+    return _Holding(lock)
+
+
+class _Holding:
+    # A class rather than an @asynccontextmanager: it is entered several times a request, and a
+    # generator's context manager costs a few times as much to make, enter and leave.
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: trio.Lock) -> None:
+        self._lock = lock
+
+    async def __aenter__(self) -> None:
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._lock.release()
 
 
 @attrs.define(eq=False)
@@ -31,22 +40,42 @@ class TurnLocks:
 
     _entries: dict[str, tuple[trio.Lock, int]] = attrs.field(init=False, factory=dict)
 
-    @asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
-        lock, refs = self._entries.get(key, (None, 0))
-        if lock is None:
-            lock = trio.Lock()
-        self._entries[key] = (lock, refs + 1)
-        try:
-            async with holding(lock):
-                yield
-        finally:
-            lock_now, refs_now = self._entries[key]
-            if refs_now == 1:
-                del self._entries[key]
-            else:
-                self._entries[key] = (lock_now, refs_now - 1)
+    def hold(self, key: str) -> AbstractAsyncContextManager[None]:
+        return _Turn(self._entries, key)
 
     def __len__(self) -> int:
         """How many keys are held or waited for."""
         return len(self._entries)
+
+
+class _Turn:
+    """One hold of a key's lock (see TurnLocks.hold): counted while it waits and while it holds."""
+
+    __slots__ = ("_entries", "_key", "_lock")
+
+    def __init__(self, entries: dict[str, tuple[trio.Lock, int]], key: str) -> None:
+        self._entries = entries
+        self._key = key
+
+    async def __aenter__(self) -> None:
+        lock, refs = self._entries.get(self._key, (None, 0))
+        if lock is None:
+            lock = trio.Lock()
+        self._entries[self._key] = (lock, refs + 1)
+        self._lock = lock
+        try:
+            await _Holding(lock).__aenter__()
+        except BaseException:  # cancelled while it waited: it holds nothing, and is no longer counted
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        lock, refs = self._entries[self._key]
+        if refs == 1:
+            del self._entries[self._key]
+        else:
+            self._entries[self._key] = (lock, refs - 1)

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 import hypercorn
 import trio
+from hypercorn.events import Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import AppWrapper, ConnectionState, Framework, LifespanState
+from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
+from hypercorn.typing import AppWrapper, ConnectionState, Framework, LifespanState, TaskGroup
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from runtime.starved import STARVED, starved_reason
@@ -127,7 +129,7 @@ async def _serve_connection(
 
 
 class _Connection(TCPServer):
-    """hypercorn's connection, let go as soon as the client has closed it.
+    """hypercorn's connection, let go as soon as the client has closed it, on a cheaper idle timer.
 
     hypercorn's own waits out its keep-alive timer (5 s) after the client has gone, holding a file
     descriptor all along: 500 connections opened and closed at once held 500 descriptors for 5 s,
@@ -136,9 +138,83 @@ class _Connection(TCPServer):
     been told it is over, and nothing the timer would do is left to do.
     """
 
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: hypercorn.Config,
+        context: WorkerContext,
+        state: LifespanState,
+        stream: trio.SSLStream[trio.SocketStream],  # typed as hypercorn types it (see _serve_connection)
+    ) -> None:
+        super().__init__(app, config, context, state, stream)
+        self.idle_task = self._idle = _IdleTimer(self)
+
     async def _read_data(self) -> None:
         await super()._read_data()
-        await self.idle_task.stop()
+        self._idle.end()
+
+    async def protocol_send(self, event: Event) -> None:
+        # h11 ends a body of a known length with no bytes: sent, they cost a lock, a cancel
+        # scope and a pass through the scheduler, for each response.
+        if not (isinstance(event, RawData) and not event.data):
+            await super().protocol_send(event)
+
+    async def close_idle(self) -> None:
+        await self._initiate_server_close()
+
+
+class _IdleTimer(TrioSingleTask):
+    """The connection's keep-alive timer, as hypercorn's: ``restart`` as the connection goes idle
+    (it is closed ``keep_alive_timeout`` later, or at once if the server is terminating), ``stop``
+    as a request comes in. hypercorn starts a task for each idle spell and cancels it at the next
+    request; here one task waits for the connection's life, and its deadline moves: a request
+    spawns, wakes and ends no task of it."""
+
+    def __init__(self, connection: _Connection) -> None:
+        super().__init__()
+        self._connection = connection
+        self._deadline = math.inf  # when the idle connection is closed; never while a request is under way
+        self._wait: trio.CancelScope | None = None  # the watcher's wait, with that deadline
+        self._watching: trio.CancelScope | None = None  # the watcher's whole life (see end)
+
+    async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
+        # ``action`` is hypercorn's own timer (TCPServer._idle_timeout): _watch does what it does.
+        if self._connection.context.terminated.is_set():
+            self._deadline = -math.inf
+        else:
+            self._deadline = trio.current_time() + self._connection.config.keep_alive_timeout
+        if self._wait is None:  # started in hypercorn's nursery, as its own timer is
+            await task_group._nursery.start(self._watch)  # type: ignore[attr-defined]  # a hypercorn.trio TaskGroup
+        else:
+            self._wait.deadline = self._deadline
+
+    async def stop(self) -> None:
+        self._deadline = math.inf
+        if self._wait is not None:
+            self._wait.deadline = math.inf
+
+    def end(self) -> None:
+        """The connection is over: the watcher goes (a restart after this starts another)."""
+        if self._watching is not None:
+            self._watching.cancel()
+
+    async def _watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        terminated = self._connection.context.terminated
+        try:
+            with trio.CancelScope() as self._watching:
+                while True:
+                    with trio.CancelScope(deadline=self._deadline) as self._wait:
+                        task_status.started()  # the first wait is in place for restart to move
+                        task_status = trio.TASK_STATUS_IGNORED  # and it is started once
+                        await (trio.sleep_forever() if terminated.is_set() else terminated.wait())
+                    # Idle too long, or the server is terminating. A connection that is busy
+                    # then is closed once it goes idle (restart moves the deadline to the past).
+                    if self._deadline != math.inf:
+                        break
+                with trio.CancelScope(shield=True):
+                    await self._connection.close_idle()
+        finally:
+            self._wait = self._watching = None
 
 
 class OneLine(logging.Filter):

@@ -119,16 +119,17 @@ class Reads:
         finally:
             live.unsubscribe(receive)
 
-    async def wait_settled(self, owner: str, task_id: str) -> Task:
-        """The task once its run here has settled it (at once, as stored, if none runs it here);
-        EndNotStored if the run's final state could not be written."""
+    async def wait_settled(self, owner: str, task_id: str) -> tuple[Task, str | None]:
+        """The task once its run here has settled it (at once, as stored, if none runs it here),
+        with its JSON as that run stored it (None when read from the store); EndNotStored if the
+        run's final state could not be written."""
         live = self.live.get(task_id)
         if live is None or live.owner != owner:
-            return await self.get(owner, task_id)
+            return await self.get(owner, task_id), None
         await live.settled.wait()
         if not live.end_stored:
             raise EndNotStored(task_id, live.end_not_stored)
         # The run's snapshot is what its last write stored (LiveTask changes it only once that
         # write is durable), so it is not read back: a store read and a decode less per blocking
         # send, about a seventh of its CPU in scripts/bench/a2a.py.
-        return live.task
+        return live.task, live.task_json

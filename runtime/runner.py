@@ -367,6 +367,12 @@ class Runner:
     async def wait_settled(self, owner: str, task_id: str) -> Task:
         """Block until the task is terminal or interrupted, and return it as persisted. Raises
         EndNotStored if the run ended but its final state could not be written."""
+        task, _ = await self._reads.wait_settled(owner, task_id)
+        return task
+
+    async def wait_settled_encoded(self, owner: str, task_id: str) -> tuple[Task, str | None]:
+        """``wait_settled``, with the task's JSON (STORED_VERSION) when its run here stored it,
+        for an answer that carries the task as stored: encoded once, not once more to answer."""
         return await self._reads.wait_settled(owner, task_id)
 
     # -- runs -------------------------------------------------------------------------------------

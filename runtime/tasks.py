@@ -102,8 +102,11 @@ def new_id() -> str:
         return _ids.pop()
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # made once, not each call
+
+
 def encode(task: Task) -> str:
-    return json.dumps(task.to_json(STORED_VERSION), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return _ENCODER.encode(task.to_json(STORED_VERSION))
 
 
 def _non_finite(name: str) -> str:
@@ -298,6 +301,9 @@ class LiveTask:
     # Taken up after a restart, its run has not yet read where its turn stands: whether a request
     # is left to carry a steer (none is, when its answer was stored before the process stopped).
     resuming: bool = False
+    # ``task`` as its last write here stored it (STORED_VERSION), or None (as read back): a
+    # blocking send's answer carries it as it is rather than encode the task again.
+    task_json: str | None = attrs.field(init=False, default=None)
     # Each subscriber's receive side -> its send side, so that leaving drops both at once.
     _subscribers: dict[trio.MemoryReceiveChannel[StreamItem], trio.MemorySendChannel[StreamItem]] = attrs.field(
         init=False, factory=dict
@@ -331,19 +337,21 @@ class LiveTask:
                     task = change(self.task)
                     if task is self.task:  # nothing to write; a reload may still have news for the subscribers
                         break
+                    task_json = encode(task)
                     try:
                         record = await tasks.update(
                             self.owner, task.id, state=task.status.state.wire_name(STORED_VERSION),
-                            task_json=encode(task), expected_version=self.version, urgent=urgent,
+                            task_json=task_json, expected_version=self.version, urgent=urgent,
                             updated_at_ms=status_ms(task),
                         )  # fmt: skip
                     except store_errors.VersionConflict:
                         if attempt == WRITE_ATTEMPTS:
                             raise
                         self.task, self.version = await load(tasks, self.owner, task.id)
+                        self.task_json = None
                         continue
                     self.version = record.version
-                    self.task = task
+                    self.task, self.task_json = task, task_json
                     break
         if bound.cancelled_caught:
             raise TimeoutError(f"storing task {task.id!r} took longer than {self.write_timeout_s:g} s")

@@ -36,6 +36,7 @@ from protocol import (
     RequestRejected,
     Route,
     SendMessageParams,
+    Task,
     TaskIdParams,
     TaskIsTerminal,
     TaskQueryParams,
@@ -54,6 +55,7 @@ from protocol.sse import HEADERS as SSE_HEADERS
 from runtime.surface.card import CARD_PATH
 from runtime.surface.failures import answer_to
 from runtime.surface.streams import TaskEventStream, event_stream_response
+from runtime.tasks import STORED_VERSION
 
 if TYPE_CHECKING:
     from runtime.runner import Runner
@@ -94,6 +96,28 @@ def _is_json(content_type: str | None) -> bool:
         return True
     media = content_type.split(";", 1)[0].strip().lower()
     return media == JSON_TYPE or (media.startswith("application/") and media.endswith("+json"))
+
+
+@attrs.frozen
+class _SentTask:
+    """A send's 1.0 result, ``{"task": ...}``, whose task is encoded already: ``task_json``,
+    as its run stored it (tasks.db keeps a task's 1.0 encoding, as compact as an answer's)."""
+
+    task: Task
+    task_json: str
+
+
+def _success(request_id: RequestId, result: object) -> Response:
+    if isinstance(result, _SentTask):
+        try:
+            task = result.task_json.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate, which encode_json escapes
+            result = send_result_to_json(result.task, STORED_VERSION)
+        else:
+            # Byte for byte what encode_json makes of success_response(request_id, {"task": ...}).
+            body = b'{"jsonrpc":"2.0","id":' + encode_json(request_id) + b',"result":{"task":' + task + b"}}"
+            return Response(body, content_type=JSON_TYPE)
+    return json_response(success_response(request_id, result))
 
 
 @attrs.frozen
@@ -140,7 +164,7 @@ class JsonRpcEndpoint:
                 stream = await self._open_stream(request_id, target, params)
                 return event_stream_response(stream)
             result = await self._answer(target.operation, params, target.version)
-            return json_response(success_response(request_id, result))  # encoding can fail too
+            return _success(request_id, result)  # encoding can fail too
         except Exception as exc:
             error = answer_to(target.method, exc)
         return error_answer(error_response(request_id, error, target.version), target.method)
@@ -159,7 +183,9 @@ class JsonRpcEndpoint:
         send = SendMessageParams.from_json(params, version)
         task = await self.runner.send(self.owner, send)
         if not send.configuration.return_immediately:
-            task = await self.runner.wait_settled(self.owner, task.id)
+            task, stored = await self.runner.wait_settled_encoded(self.owner, task.id)
+            if stored is not None and version is STORED_VERSION and send.configuration.history_length is None:
+                return _SentTask(task, stored)
         return send_result_to_json(trim_history(task, send.configuration.history_length, version), version)
 
     async def _get_task(self, params: Params, version: ProtocolVersion) -> object:
