@@ -19,8 +19,9 @@ from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
 from runtime.agent import AgentError, AgentRun, AgentSpec, BudgetExhausted, MaxStepsReached, Model
-from runtime.endings import OVERTAKEN, Outcome, Working, answer_streamer, answered, completed, settle, turn_of
+from runtime.endings import OVERTAKEN, SHUT_DOWN, Outcome, Working, answer_streamer, answered, completed, settle, turn_of
 from runtime.models import ModelError
+from runtime.reachable import ModelWait
 from runtime.tasks import LiveTask, message_text
 from runtime.turns import Turns
 
@@ -40,10 +41,13 @@ class TurnTaker:
     # task's id): nothing is stored for them yet, so that turn need not read the conversation.
     fresh: dict[str, str]
     model_endpoint: str = ""  # where the model is served, for the log (no credentials)
+    # A resumed run's wait for the model server, if there is one: see runtime/reachable.py.
+    model_wait: ModelWait | None = None
 
     async def take(self, live: LiveTask) -> Outcome:
         """One turn on the task's session: the agent loop, WORKING durable before the model is
-        called, then the outcome (COMPLETED or FAILED) for the runner to store."""
+        called, then the outcome (COMPLETED or FAILED) for the runner to store; CANCELED for a
+        resumed run still waiting for its model server as the server shuts down."""
         task = live.task
         session = Session.open(task.context_id, self.sessions, task_id=task.id)
         async with self.turns.taking(live):
@@ -53,7 +57,8 @@ class TurnTaker:
             fresh = self.fresh.pop(task.context_id, None) == task.id
             messages = [] if fresh else await session.messages()
             turn, overtaken = turn_of(messages, task.id)
-            if live.resuming:  # steers were refused until now: one taken for a turn already over would ride no request
+            resuming = live.resuming
+            if resuming:  # steers were refused until now: one taken for a turn already over would ride no request
                 async with live.steers.lock:
                     live.resuming = False
                     live.steers.closed = bool(turn) and (answered(turn) or overtaken)
@@ -68,8 +73,10 @@ class TurnTaker:
                 # conversation has gone on since. Asked now, the model would answer the later turn.
                 return settle(TaskState.FAILED, OVERTAKEN)
             # Otherwise a resumed run continues from the transcript as saved: the step in flight
-            # when the process died is done again (see AgentRun._ask).
-            #
+            # when the process died is done again (see AgentRun._ask), once the model server can
+            # be reached. Meanwhile the task stays as it was, and steers sent to it ride that step.
+            if resuming and self.model_wait is not None and not await self.model_wait.until_reachable(task.id):
+                return SHUT_DOWN  # the server shuts down first
             # WORKING goes to tasks.db while the loop saves the transcript to runtime.db; the
             # model is asked once both are durable. The nursery is this turn's, and lives no
             # longer than the loop.

@@ -41,6 +41,7 @@ from protocol.errors import quoted
 from runtime.agent import AgentSpec, Model
 from runtime.agent_turn import TurnTaker, orphan_outcome
 from runtime.endings import CANCELED, SHUT_DOWN, Outcome, cancel_task, keeping_answer, settle, unless_settled
+from runtime.reachable import Catalog, ModelWait
 from runtime.reads import Reads
 from runtime.resent import check_same
 from runtime.steering import Steering
@@ -94,6 +95,9 @@ class Runner:
     model: Model
     agent: AgentSpec
     config: RunnerConfig = RunnerConfig()
+    # Asked, by a run resuming a task a dead process left, whether the model server can be
+    # reached yet (see runtime/reachable.py); without it such a run does not wait.
+    catalog: Catalog | None = attrs.field(default=None, kw_only=True)
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _live: dict[str, LiveTask] = attrs.field(init=False, factory=dict)
     # Contexts minted by send() whose first turn has not begun: no transcript is stored for
@@ -118,8 +122,10 @@ class Runner:
 
     def __attrs_post_init__(self) -> None:
         self._turns = Turns(self.sessions)
+        endpoint = self.config.model_endpoint
+        wait = None if self.catalog is None else ModelWait(self.catalog, self._stopping, endpoint=endpoint)
         self._taker = TurnTaker(
-            self.sessions, self.tasks, self.model, self.agent, self._turns, self._fresh, model_endpoint=self.config.model_endpoint
+            self.sessions, self.tasks, self.model, self.agent, self._turns, self._fresh, model_endpoint=endpoint, model_wait=wait
         )
         self._steering = Steering(self.sessions, self.tasks, self._live, self._turns)
         self._reads = Reads(self.tasks, self._live)

@@ -171,7 +171,7 @@ async def _serve_in(
                 orphans=config.orphans, drain_timeout_s=config.drain_timeout_s, cleanup_timeout_s=config.cleanup_timeout_s,
                 model_endpoint=catalog.endpoint,
             )
-            runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config).run)  # step 6
+            runner = await nursery.start(Runner(sessions, tasks, model, agent, runner_config, catalog=catalog).run)  # step 6
             try:
                 await _serve_http(
                     nursery, config, http_config, runner, (sessions, tasks), catalog, shutdown, hurry, started, task_status

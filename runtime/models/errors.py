@@ -35,8 +35,12 @@ class ModelError(Exception):
     Attributes: ``model`` (the configured model name), ``reason`` (why, in this module's words:
     safe for a client), ``detail`` (what the server or the transport said; may hold provider
     text, so log it but never send it to a client), ``status`` (the HTTP status, when there was
-    one) and ``attempts`` (how many requests were sent).
+    one), ``attempts`` (how many requests were sent) and ``retryable`` (whether the client would
+    have tried again, given attempts left: the server could not be reached, was overloaded or
+    rate limiting; a caller that can wait longer than its retries may try again later).
     """
+
+    retryable = False  # set by runtime.models.failures, which decides it
 
     def __init__(
         self, model: str, headline: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1

@@ -43,6 +43,9 @@ class Failure:
     retry: bool
     retry_after_s: float | None = None
 
+    def __attrs_post_init__(self) -> None:
+        self.error.retryable = self.retry  # raised once the client gives up, it still says so
+
 
 # A base URL given as the server's bare address, without the /v1 Ollama, vLLM and llama.cpp
 # serve their API under: the most common reason for a 404. (A path of its own is a gateway's.)

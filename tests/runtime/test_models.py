@@ -323,6 +323,7 @@ async def test_retries_are_bounded_and_end_in_a_typed_error(fake_model: FakeMode
                 await client.complete(ASK)
     assert len(fake_model.bodies) == 3
     assert raised.value.status == status  # type: ignore[attr-defined]  # every ModelError has a status
+    assert raised.value.retryable  # type: ignore[attr-defined]  # likewise
 
 
 async def test_connection_refused_ends_in_model_unavailable_after_bounded_retries() -> None:
@@ -332,6 +333,7 @@ async def test_connection_refused_ends_in_model_unavailable_after_bounded_retrie
             with pytest.raises(ModelUnavailable, match="the model server cannot be reached") as raised:
                 await client.complete(ASK)
     assert raised.value.attempts == 3
+    assert raised.value.retryable  # a caller that can wait longer may try again later
     # What the operator's log gets says why, once: the refusal under httpx's words, not them again.
     said = raised.value.detail.split("; from ")
     assert len(said) == 2 and said[-1].startswith("ConnectionRefusedError: ") and said[-1].endswith("Connection refused"), said
@@ -345,6 +347,7 @@ async def test_rejected_request_is_not_retried(fake_model: FakeModel) -> None:
                 await client.complete(ASK)
     assert len(fake_model.bodies) == 1
     assert "context length exceeded" in raised.value.detail
+    assert not raised.value.retryable
 
 
 @pytest.mark.parametrize(

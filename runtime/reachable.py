@@ -1,0 +1,68 @@
+"""A resumed run's wait for its model server, before its first request.
+
+After a crash the machine may be rebooting, and the server come up before its model server
+does. A task a dead process left is then not failed for a model not there yet (its client is not
+there to send it again): its run waits, the task as it was, asking the server's catalog again
+less and less often, until the server answers or says no in a way that waiting would not change.
+A new task's run does not wait: its client is there, and is told at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import attrs
+import trio
+
+from runtime.models import ModelError
+
+logger = logging.getLogger(__name__)
+
+# The catalog is asked again after 1 s, then twice as long each time, at most 30 s apart.
+WAIT_FIRST_S = 1.0
+WAIT_MAX_S = 30.0
+
+
+class Catalog(Protocol):
+    """What the wait needs of a model client (runtime.models.ModelClient is one)."""
+
+    async def has_model(self, name: str | None = None) -> bool: ...
+
+
+@attrs.frozen
+class ModelWait:
+    """Waits, for a resumed run, until the model server can be reached (``until_reachable``)."""
+
+    catalog: Catalog  # asked once each time, without retries of its own
+    stopping: trio.Event  # set when the server begins to shut down
+    endpoint: str = ""  # where the model is served, for the log (no credentials)
+
+    async def until_reachable(self, task_id: str) -> bool:
+        """Block until the model server answers its catalog, or fails in a way another try would
+        not change (a refused key, say: the run's request fails with it). False, at once, if the
+        server begins to shut down while the model cannot be reached. Cancellation ends the wait."""
+        delay_s = 0.0
+        began = trio.current_time()
+        while (unreachable := await self._unreachable()) is not None:
+            if not delay_s:
+                where = f" at {self.endpoint}" if self.endpoint else ""
+                said = f"; it said: {unreachable.detail}" if unreachable.detail else ""
+                why = f"{unreachable.reason}{said}"
+                logger.warning("task %s waits for the model server%s to be reachable to resume: %s", task_id, where, why)
+            delay_s = min(max(2 * delay_s, WAIT_FIRST_S), WAIT_MAX_S)
+            with trio.move_on_after(delay_s):
+                await self.stopping.wait()
+            if self.stopping.is_set():
+                logger.warning("shutting down: task %s, waiting for the model server to resume, is canceled", task_id)
+                return False
+        if delay_s:
+            logger.info("task %s resumes: the model server is reachable after %.0f s", task_id, trio.current_time() - began)
+        return True
+
+    async def _unreachable(self) -> ModelError | None:
+        try:
+            await self.catalog.has_model()
+        except ModelError as exc:
+            return exc if exc.retryable else None
+        return None
