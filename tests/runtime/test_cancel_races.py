@@ -14,13 +14,14 @@ from fake_model import Call, FakeModel, Reply
 from persistence.api import TaskRecord, TaskStore
 from persistence.sessions import open_session_store
 from persistence.tasks import SqliteTaskStore, open_task_store
-from protocol import Message, Role, SendMessageParams, Task, TaskState, TextPart, UnsupportedOperation
+from protocol import TaskState, TextPart, UnsupportedOperation
 from runtime.agent import AgentSpec, Tool
 from runtime.models import open_model_client
 from runtime.runner import ANONYMOUS, Runner
-from runtime.tasks import decode, new_id
+from runtime.tasks import decode
 from tests.runtime.agent_support import config_for, make_tool
 from tests.runtime.served import DEADLINE_S, message, serve_keel
+from tests.runtime.test_late_steers import ask
 
 
 @attrs.define(eq=False)
@@ -64,11 +65,6 @@ class ReadHeld:
             self.entered.set()
             await self.release.wait()
         return record
-
-
-def ask(text: str, *, task: Task | None = None) -> SendMessageParams:
-    task_id = None if task is None else task.id
-    return SendMessageParams(message=Message(message_id=new_id(), role=Role.USER, parts=(TextPart(text),), task_id=task_id))
 
 
 async def test_a_steer_read_before_a_cancel_and_judged_after_it_is_refused_not_acknowledged(
