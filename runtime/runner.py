@@ -167,7 +167,7 @@ class Runner:
             raise
         self._drained = True
         if running and not self._live:
-            logger.info("shutting down: every task running finished")
+            logger.info("shutting down: every task that was running has ended")
         if self._hurried:
             self._say_cut("are canceled at once, the drain cut short")
         else:

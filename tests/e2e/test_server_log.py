@@ -126,7 +126,7 @@ async def test_a_drain_its_runs_finish_says_so(tmp_path: Path, fake_model: FakeM
     assert sent["result"]["task"]["id"]
     lines = [record.getMessage() for record in said(caplog, "shutting down")]
     assert "1 task(s) running" in lines[0], lines
-    assert "every task running finished" in lines[-1], lines
+    assert "every task that was running has ended" in lines[-1], lines
 
 
 async def test_a_drain_names_every_task_it_cancels_however_many(
