@@ -205,6 +205,7 @@ def _stamp_lock(backup_root: Path, stamp: str) -> Iterator[bool]:
     path = backup_root / f".snapshot-{stamp}.lock"
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE)
+        owned_as_directory(fd, backup_root)  # a snapshot killed meanwhile leaves it to the next
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

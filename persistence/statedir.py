@@ -179,12 +179,17 @@ def owned_as_directory(file: int | Path, directory: Path) -> None:
     owner. An operator may run a state command as root (`sudo`) for a server that runs as a user of
     its own: a database, a lock or a snapshot left to root, readable by its owner alone, would keep
     that server from opening it, or its user from snapshotting or restoring again. (SQLite does the
-    same with the files it makes beside a database.)"""
+    same with the files it makes beside a database.) Where root may not give files away (a
+    container's root, to an owner outside its user namespace), the file is left as it is."""
     if os.geteuid() != 0 or (os.fstat(file) if isinstance(file, int) else os.lstat(file)).st_uid != 0:
         return
     owner = os.stat(directory)
     if owner.st_uid != 0:
-        os.chown(file, owner.st_uid, owner.st_gid, follow_symlinks=isinstance(file, int))
+        try:
+            os.chown(file, owner.st_uid, owner.st_gid, follow_symlinks=isinstance(file, int))
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EINVAL):
+                raise
 
 
 def write_new_file(path: Path, data: bytes, *, mode: int = DOCUMENT_MODE) -> None:

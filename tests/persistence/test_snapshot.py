@@ -78,6 +78,16 @@ def test_a_snapshot_taken_as_root_belongs_to_the_backup_roots_owner(state_dir: P
     assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, (65534, 65534))
 
 
+def test_the_lock_a_snapshot_taken_as_root_holds_on_its_stamp_belongs_to_the_backup_roots_owner(tmp_path: Path) -> None:
+    # Left by a snapshot killed midway, a lock of root's, 0600, would keep the user's next
+    # snapshot from taking it to clear what the dead one left.
+    assert os.geteuid() == 0, "this test snapshots as root, as an operator may; run the suite as root"
+    os.chown(tmp_path, 65534, 65534)
+    with snapshot_module._stamp_lock(tmp_path, STAMP) as held:
+        lock = tmp_path / f".snapshot-{STAMP}.lock"
+        assert held and (lock.stat().st_uid, lock.stat().st_gid) == (65534, 65534)
+
+
 def test_a_snapshot_taken_as_root_into_a_missing_backup_root_leaves_it_to_the_owner_of_the_directory_above(
     state_dir: Path,
 ) -> None:
