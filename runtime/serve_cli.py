@@ -13,6 +13,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -197,13 +198,14 @@ class _LineWriter:
     """A text stream that a thread of its own writes to ``stream``. A log reader that stalls (it
     has stopped reading a pipe, which fills up) holds that thread alone: never the event loop, so
     the server goes on serving, and takes SIGTERM and SIGINT. Past LOG_LINES_HELD lines waiting,
-    the lines are dropped, and how many is said once the reader takes lines again."""
+    the lines are dropped, and how many is said where they would have been, once the reader takes
+    lines again."""
 
     def __init__(self, stream: TextIO | None) -> None:
         self._stream = stream  # None: started with stderr closed (`serve 2>&-`), where nothing is written
         self._lines: queue.Queue[str | None] = queue.Queue(LOG_LINES_HELD)
         self._lock = threading.Lock()
-        self._dropped = 0
+        self._dropped = 0  # since the last line taken
         self._closed = False
         self._thread = threading.Thread(target=self._write_lines, name="log writer", daemon=True)
         self._thread.start()
@@ -212,29 +214,35 @@ class _LineWriter:
         if self._closed:  # the process is ending: written here
             self._write(text)
             return
-        try:
-            self._lines.put_nowait(text)
-        except queue.Full:
-            with self._lock:
+        with self._lock:
+            try:  # the count of the lines dropped before it goes with it: in the log, it stands in their place
+                self._lines.put_nowait(self._said_dropped() + text)
+            except queue.Full:
                 self._dropped += 1
+            else:
+                self._dropped = 0
 
     def flush(self) -> None:
         """Nothing to do: the thread flushes each line it writes."""
 
     def close_within(self, timeout_s: float) -> None:
-        """Take no more lines, and give those waiting ``timeout_s`` to be written. Blocking."""
+        """Take no more lines, and give those waiting ``timeout_s`` to be written (and the count
+        of those dropped last). Blocking."""
         if not self._closed:
             self._closed = True
+            with self._lock:
+                last = [self._said_dropped(), None] if self._dropped else [None]
+            deadline = time.monotonic() + timeout_s
             with contextlib.suppress(queue.Full):
-                self._lines.put(None, timeout=timeout_s)
+                for item in last:
+                    self._lines.put(item, timeout=max(0.0, deadline - time.monotonic()))
             self._thread.join(timeout_s)
+
+    def _said_dropped(self) -> str:
+        return f"{self._dropped} log line(s) dropped while the log's reader took none\n" if self._dropped else ""
 
     def _write_lines(self) -> None:
         while (text := self._lines.get()) is not None:
-            with self._lock:
-                dropped, self._dropped = self._dropped, 0
-            if dropped:
-                self._write(f"{dropped} log line(s) dropped while the log's reader took none\n")
             self._write(text)
 
     def _write(self, text: str) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -190,3 +192,56 @@ async def test_check_interrupted_while_it_loads_says_so_without_a_traceback(tmp_
             said += chunk
         assert await process.wait() == 130
     assert said.decode() == "error: interrupted\n"
+
+
+# A process logging through serve's handler, whose backlog is kept small to be filled quickly:
+# it logs 1000 lines while its log's reader takes none, says so on stdout, and ends once told to
+# (logging.shutdown closing the handler, as when serve exits).
+LOGGING_CHILD = """
+import logging, sys
+from runtime import serve_cli
+serve_cli.LOG_LINES_HELD = 100
+logging.basicConfig(level=logging.INFO, handlers=[serve_cli.LogHandler()], format="%(message)s")
+for n in range(1000):
+    logging.info("line %d", n)
+print("logged", flush=True)
+sys.stdin.readline()
+"""
+
+
+async def test_the_lines_a_stalled_log_reader_missed_are_counted_where_they_went_missing() -> None:
+    # Past the lines waiting for a reader that has stalled (a paused pager), lines are dropped and
+    # counted. The count was written ahead of the next line the writer took, one that had waited
+    # since before the gap: the log said lines went missing a few hundred lines before they did.
+    reader, writer = os.pipe()
+    fcntl.fcntl(reader, fcntl.F_SETPIPE_SZ, 4096)  # the least a pipe holds: a few hundred lines fill it
+    try:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-c", LOGGING_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=writer
+        )
+    finally:
+        os.close(writer)
+    logged = bytearray()
+    async with trio.lowlevel.FdStream(reader) as log:
+        with trio.fail_after(30):
+            assert process.stdin is not None and process.stdout is not None
+            said = b""
+            while b"logged\n" not in said:
+                chunk = await process.stdout.receive_some()
+                assert chunk, f"the child ended before it had logged: {said!r}"
+                said += chunk
+            await process.stdin.send_all(b"\n")  # its reader takes the log again, and the process ends
+            while chunk := await log.receive_some():
+                logged += chunk
+            assert await process.wait() == 0
+    # Each count stands where its lines would have been: read in order, the log accounts for every line.
+    expected, counted = 0, 0
+    for line in logged.decode().splitlines():
+        dropped = re.fullmatch(r"(\d+) log line\(s\) dropped while the log's reader took none", line)
+        if dropped:
+            expected += int(dropped.group(1))
+            counted += int(dropped.group(1))
+        else:
+            assert line == f"line {expected}", f"{line!r} where 'line {expected}' was to come"
+            expected += 1
+    assert expected == 1000 and counted > 0, (expected, counted)
