@@ -26,6 +26,21 @@ LOCKS = set(LOCK_NAMES)
 CHILD_TIMEOUT_S = 60
 
 
+NOBODY = 65534  # the uid and gid of "nobody" and "nogroup": a user other than the one running
+
+
+def another_users(directory: Path, *, with_contents: bool = False) -> tuple[int, int]:
+    """Make ``directory`` (and, ``with_contents``, what it holds) another user's, as a server run as
+    a user of its own has it, and return its owner and group. As root, as an operator running a
+    state command with `sudo` is, nobody's; any other user cannot give a directory away, and
+    leaves it as it is: then what Keel makes there is that user's anyway, and must stay so."""
+    if os.geteuid() == 0:
+        for path in [directory, *(directory.iterdir() if with_contents else ())]:
+            os.chown(path, NOBODY, NOBODY)
+    owner = directory.stat()
+    return owner.st_uid, owner.st_gid
+
+
 def make_db(path: Path, identity: SchemaIdentity | None, label: str, *, rows: int = 3) -> None:
     """A small database whose rows say which generation it belongs to: in a table of another
     program's beside the tables of its Keel schema's version (as its migrations make them), if it

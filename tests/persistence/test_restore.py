@@ -29,6 +29,7 @@ from persistence.statedir import (
 from persistence.statelocks import acquire_serving, release_use
 from tests.persistence.state_helpers import (
     CHILD_TIMEOUT_S,
+    another_users,
     fill,
     fingerprint,
     finish_child,
@@ -68,16 +69,15 @@ def test_restore_publishes_exactly_the_snapshot_and_drops_old_files_and_sidecars
 def test_restore_run_as_root_leaves_files_the_state_directorys_owner_can_open(tmp_path: Path) -> None:
     # `sudo keel state restore` for a server that runs as its own user: copies made as root, 0600,
     # would leave that server unable to open its own databases, or to take its locks.
-    assert os.geteuid() == 0, "this test restores as root, as an operator may; run the suite as root"
     state_dir = tmp_path / "state"
     old_generation(state_dir)
     snapshot = new_snapshot(tmp_path)
-    os.chown(state_dir, 65534, 65534)
+    owner = another_users(state_dir)
     restore_snapshot(snapshot, state_dir)
 
     owners = {path.name: (path.stat().st_uid, path.stat().st_gid) for path in state_dir.iterdir()}
     assert set(owners) >= {"runtime.db", "tasks.db", GENERATION_LOCK_NAME}
-    assert set(owners.values()) == {(65534, 65534)}, owners
+    assert set(owners.values()) == {owner}, owners
 
 
 def owners_under(top: Path) -> dict[str, tuple[int, int]]:
@@ -91,33 +91,29 @@ def test_restore_run_as_root_into_a_missing_state_directory_leaves_it_to_the_own
 ) -> None:
     # `sudo keel state restore` onto a new machine, or after the state directory was removed: the
     # directory it makes is root's, 0750, and the server, run as its own user, cannot open it.
-    assert os.geteuid() == 0, "this test restores as root, as an operator may; run the suite as root"
     home = tmp_path / "home"
     home.mkdir()
-    os.chown(home, 65534, 65534)
+    owner = another_users(home)
     restore_snapshot(new_snapshot(tmp_path), home / "keel" / "state")
 
     owners = owners_under(home / "keel")
     assert {"keel", "keel/state", "keel/state/tasks.db", f"keel/state/{GENERATION_LOCK_NAME}"} <= set(owners)
-    assert set(owners.values()) == {(65534, 65534)}, owners
+    assert set(owners.values()) == {owner}, owners
 
 
 def test_a_restore_run_as_root_and_killed_midway_leaves_what_it_made_to_the_state_directorys_owner(tmp_path: Path) -> None:
     # The server, run as its own user, recovers the directory as it starts: it must read the journal
     # and remove the staging and quarantine directories the killed restore left.
-    assert os.geteuid() == 0, "this test restores as root, as an operator may; run the suite as root"
     state_dir = tmp_path / "state"
     old_generation(state_dir)
-    os.chown(state_dir, 65534, 65534)
-    for name in os.listdir(state_dir):
-        os.chown(state_dir / name, 65534, 65534)
+    owner = another_users(state_dir, with_contents=True)
     killed = run_child("after-quarantine", new_snapshot(tmp_path), state_dir)
     assert killed.returncode == 71, killed.stderr
 
     owners = owners_under(state_dir)
     quarantine = [f"state/{name}" for name in os.listdir(state_dir) if name.startswith(QUARANTINE_PREFIX)]
     assert {f"state/{JOURNAL_NAME}", *quarantine} <= set(owners) and quarantine
-    assert set(owners.values()) == {(65534, 65534)}, owners
+    assert set(owners.values()) == {owner}, owners
 
 
 def test_restore_into_a_missing_state_dir_creates_it(tmp_path: Path) -> None:

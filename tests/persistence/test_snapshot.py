@@ -21,7 +21,7 @@ from persistence.recovery import hold_state_dir
 from persistence.schema import SchemaIdentity
 from persistence.snapshot import OWNER_NAME, complete_snapshots, create_snapshot
 from persistence.statedir import RecoveryError, SnapshotError
-from tests.persistence.state_helpers import in_wal_mode, labels, live_databases, make_damaged_db, make_db
+from tests.persistence.state_helpers import another_users, in_wal_mode, labels, live_databases, make_damaged_db, make_db
 
 
 STAMP = "20260102T030405Z"
@@ -67,25 +67,23 @@ def test_snapshot_records_a_signed_manifest_of_hashed_checked_databases(state_di
 def test_a_snapshot_taken_as_root_belongs_to_the_backup_roots_owner(state_dir: Path) -> None:
     # `sudo keel state snapshot` for a server that runs as its own user: left to root, 0600, the
     # snapshot could not be restored by that user, nor pruned by the user's next snapshot.
-    assert os.geteuid() == 0, "this test snapshots as root, as an operator may; run the suite as root"
     backups = state_dir.parent / "backups"
     backups.mkdir()
-    os.chown(backups, 65534, 65534)
+    owner = another_users(backups)
     snapshot = snap(state_dir)
 
     made = [Path(top) / name for top, dirs, files in os.walk(backups) for name in (*dirs, *files)]
     assert snapshot in made and backups / OWNER_NAME in made and snapshot / "tasks.db" in made
-    assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, (65534, 65534))
+    assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, owner)
 
 
 def test_the_lock_a_snapshot_taken_as_root_holds_on_its_stamp_belongs_to_the_backup_roots_owner(tmp_path: Path) -> None:
     # Left by a snapshot killed midway, a lock of root's, 0600, would keep the user's next
     # snapshot from taking it to clear what the dead one left.
-    assert os.geteuid() == 0, "this test snapshots as root, as an operator may; run the suite as root"
-    os.chown(tmp_path, 65534, 65534)
+    owner = another_users(tmp_path)
     with snapshot_module._stamp_lock(tmp_path, STAMP) as held:
         lock = tmp_path / f".snapshot-{STAMP}.lock"
-        assert held and (lock.stat().st_uid, lock.stat().st_gid) == (65534, 65534)
+        assert held and (lock.stat().st_uid, lock.stat().st_gid) == owner
 
 
 def test_a_snapshot_taken_as_root_into_a_missing_backup_root_leaves_it_to_the_owner_of_the_directory_above(
@@ -93,15 +91,14 @@ def test_a_snapshot_taken_as_root_into_a_missing_backup_root_leaves_it_to_the_ow
 ) -> None:
     # The first `sudo keel state snapshot` into a backup root not made yet: made as root, 0750, the
     # backup root would keep the user the server runs as from restoring or pruning what it holds.
-    assert os.geteuid() == 0, "this test snapshots as root, as an operator may; run the suite as root"
     home = state_dir.parent / "home"
     home.mkdir()
-    os.chown(home, 65534, 65534)
+    owner = another_users(home)
     snapshot = create_snapshot(state_dir, home / "backups" / "keel", keep=7, app_version="1.2.3", stamp=STAMP)
 
     made = [home / "backups", *(Path(top) / name for top, dirs, files in os.walk(home / "backups") for name in (*dirs, *files))]
     assert snapshot in made and snapshot / "tasks.db" in made
-    assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, (65534, 65534))
+    assert {path: (path.lstat().st_uid, path.lstat().st_gid) for path in made} == dict.fromkeys(made, owner)
 
 
 def test_snapshot_copies_committed_rows_while_a_writer_is_mid_transaction(state_dir: Path) -> None:

@@ -28,6 +28,7 @@ from persistence.tasks import TASKS_SCHEMA, open_task_store
 from persistence.transcript import Message
 
 from tests.persistence import crash_writer
+from tests.persistence.state_helpers import another_users
 
 
 def pragma(path: Path, name: str) -> object:
@@ -63,13 +64,12 @@ async def test_a_database_and_the_files_sqlite_makes_beside_it_are_their_owners_
 
 async def test_a_database_made_by_root_in_another_users_directory_is_that_users(tmp_path: Path) -> None:
     # serve started once as root (`sudo`) in the directory of a server that runs as its own user.
-    assert os.geteuid() == 0, "this test opens a store as root, as an operator may; run the suite as root"
-    os.chown(tmp_path, 65534, 65534)
+    owner = another_users(tmp_path)
     async with open_session_store(tmp_path / "runtime.db") as store:
         await store.save("s", [Message(role="user", text="what the conversation said")])
         owners = {name: (os.stat(tmp_path / name).st_uid, os.stat(tmp_path / name).st_gid) for name in os.listdir(tmp_path)}
     assert set(owners) == {"runtime.db", "runtime.db-wal", "runtime.db-shm"}
-    assert set(owners.values()) == {(65534, 65534)}, owners
+    assert set(owners.values()) == {owner}, owners
 
 
 def test_a_transaction_commits_its_writes_and_rolls_back_on_error_and_never_nests(tmp_path: Path) -> None:
