@@ -127,7 +127,7 @@ class Runner:
         self._taker = TurnTaker(
             self.sessions, self.tasks, self.model, self.agent, self._turns, self._fresh, model_endpoint=endpoint, model_wait=wait
         )
-        self._steering = Steering(self.sessions, self.tasks, self._live, self._turns)
+        self._steering = Steering(self.sessions, self.tasks, self._live, self._turns, self._stopping.is_set)
         self._reads = Reads(self.tasks, self._live)
 
     async def run(self, *, task_status: trio.TaskStatus[Runner] = trio.TASK_STATUS_IGNORED) -> None:

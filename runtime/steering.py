@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 
 import attrs
@@ -52,6 +52,7 @@ class Steering:
     tasks: TaskStore
     live: Mapping[str, LiveTask]
     turns: Turns
+    stopping: Callable[[], bool] = lambda: False  # whether the server is shutting down (and takes no new task)
 
     async def to_existing(self, owner: str, task_id: str, params: SendMessageParams) -> Task:
         """The task ``params.message`` names, with that message: a steer for its run while it
@@ -185,28 +186,19 @@ class Steering:
         task_id = task.id
         state = task.status.state
         if state.is_terminal:
-            return TaskIsTerminal(
-                task_id, state.value, "take a message",
-                instead=f"send it without a taskId, with contextId {task.context_id!r}, to start the conversation's next task",
-            )  # fmt: skip
+            return TaskIsTerminal(task_id, state.value, "take a message", instead=self._next_task(task.context_id))
         taken = len((task if live is None else live.task).history) - 1  # after the first message
         if taken >= MAX_STEERS:
-            return UnsupportedOperation(
-                f"task {task_id!r} has taken {taken} messages after its first, as many as a task takes; send this message"
-                " without a taskId, in the same contextId, to start the conversation's next task"
-            )
+            why = f"has taken {taken} messages after its first, as many as a task takes"
+            return UnsupportedOperation(f"task {task_id!r} {why}; {self._next_task(task.context_id)}")
         if live is None:
             return None
         if live.scope.cancel_called:  # the task as read may predate the cancel: its run asks the model nothing more
-            return UnsupportedOperation(
-                f"task {task_id!r} takes no more messages: it has been canceled; send this message without a taskId, in the"
-                " same contextId, to start the conversation's next task"
-            )
+            why = "takes no more messages: it has been canceled"
+            return UnsupportedOperation(f"task {task_id!r} {why}; {self._next_task(task.context_id)}")
         if live.turn_over or live.steers.closed:  # its end not yet written, or its last answer on its way
-            return UnsupportedOperation(
-                f"task {task_id!r} takes no more messages: its run is giving, or has given, its last answer; send this"
-                " message without a taskId, in the same contextId, to start the conversation's next task"
-            )
+            why = "takes no more messages: its run is giving, or has given, its last answer"
+            return UnsupportedOperation(f"task {task_id!r} {why}; {self._next_task(task.context_id)}")
         if live.resuming:
             return UnsupportedOperation(
                 f"task {task_id!r} is being taken up again after a restart of the server, which has yet to read where its"
@@ -225,6 +217,16 @@ class Steering:
         if ahead.turn_over or ahead.steers.closed:
             return UnsupportedOperation(f"{waits} gives its last answer; {again}")
         return UnsupportedOperation(f"{waits} has its conversation's turn; {again}, or send it to that task to steer it")
+
+    def _next_task(self, context_id: str) -> str:
+        """Where a message a task does not take is to go: to the conversation's next task, which
+        a server shutting down does not start."""
+        if self.stopping():
+            return (
+                "the server is shutting down and takes no new tasks; once the server that replaces it is up, send this"
+                f" message there without a taskId, with contextId {context_id!r}, to start the conversation's next task"
+            )
+        return f"send this message without a taskId, with contextId {context_id!r}, to start the conversation's next task"
 
     async def _add_to_history(self, owner: str, task: Task, version: int, message: Message) -> Task:
         """Record a steering message in the task's history, whoever writes the task meanwhile.

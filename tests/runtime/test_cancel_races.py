@@ -109,8 +109,8 @@ async def test_a_steer_read_before_a_cancel_and_judged_after_it_is_refused_not_a
             runner.stop()
     assert canceled.status.state is TaskState.CANCELED
     assert said == [
-        f"task {task.id!r} takes no more messages: it has been canceled; send this message without a taskId, in the same"
-        " contextId, to start the conversation's next task"
+        f"task {task.id!r} takes no more messages: it has been canceled; send this message without a taskId, with"
+        f" contextId {task.context_id!r}, to start the conversation's next task"
     ]
     assert [part.text for m in stored.history for part in m.parts if isinstance(part, TextPart)] == ["Flush the cache"]
     assert stored.status.state is TaskState.CANCELED and left == []

@@ -89,7 +89,7 @@ async def test_a_steer_too_late_for_the_budgets_last_request_is_refused_not_left
             done = await runner.wait_settled(ANONYMOUS, task.id)
     assert refused.value.message == (
         f"task {task.id!r} takes no more messages: its run is giving, or has given, its last answer; send this message"
-        " without a taskId, in the same contextId, to start the conversation's next task"
+        f" without a taskId, with contextId {task.context_id!r}, to start the conversation's next task"
     )
     assert done.status.state is TaskState.COMPLETED
     assert [part.text for m in done.history for part in m.parts if isinstance(part, TextPart)] == [

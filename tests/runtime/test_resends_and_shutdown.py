@@ -266,3 +266,39 @@ async def test_a_message_sent_again_during_the_drain_gets_its_task_back_and_a_ne
             await runner.send(ANONYMOUS, SendMessageParams(message=attrs.evolve(question, message_id=new_id())))
         hold.set()
     assert (again.id, again.status.state) == (task.id, TaskState.WORKING)
+
+
+@pytest.mark.parametrize("refused_for", ["its task has ended", "its task has been canceled"])
+async def test_a_message_refused_during_the_drain_is_not_told_to_start_a_task_the_server_refuses(
+    tmp_path: Path, refused_for: str
+) -> None:
+    # As the server drains it takes no new task. A message to a task that takes no more messages
+    # is then told to go to the server that replaces this one, not to start the conversation's
+    # next task here, which would be refused in turn.
+    hold = trio.Event()
+    model = ScriptedModel([Answer("The deploy is rolled back."), Answer("Checking the logs now.", hold=hold)])
+    first = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Roll back the deploy"),))
+    async with runner_over_files(tmp_path, model, lambda store: store) as (runner, _, tasks):
+        ended = await runner.send(ANONYMOUS, SendMessageParams(message=first))
+        with trio.fail_after(DEADLINE_S):
+            ended = await runner.wait_settled(ANONYMOUS, ended.id)
+        second = Message(message_id=new_id(), role=Role.USER, parts=(TextPart("Check the logs"),), context_id=ended.context_id)
+        working = await runner.send(ANONYMOUS, SendMessageParams(message=second))
+        with trio.fail_after(DEADLINE_S):
+            while decode(await tasks.get(ANONYMOUS, working.id)).status.state is not TaskState.WORKING:
+                await trio.sleep(0.01)
+        target = ended
+        if refused_for == "its task has been canceled":
+            await runner.cancel(ANONYMOUS, working.id)
+            target = working
+        runner.stop()  # the drain begins
+        steer = Message(
+            message_id=new_id(), role=Role.USER, parts=(TextPart("Also the cache"),), task_id=target.id,
+            context_id=ended.context_id,
+        )  # fmt: skip
+        with pytest.raises(UnsupportedOperation) as refused:
+            await runner.send(ANONYMOUS, SendMessageParams(message=steer))
+        hold.set()
+    said = str(refused.value)
+    assert target.id in said
+    assert "shutting down" in said and "once the server that replaces it is up" in said, said

@@ -169,8 +169,8 @@ async def test_send_to_a_terminal_task_is_unsupported_operation(keel: Served, ve
     error = await keel.error(SEND[version], send_params("again", version, taskId=done["id"]), version=version)
     check_error(error, -32004, version, "UNSUPPORTED_OPERATION")
     assert error["message"] == (
-        f"task {done['id']!r} has ended (completed) and cannot take a message; send it without a taskId, with contextId"
-        f" {done['contextId']!r}, to start the conversation's next task"
+        f"task {done['id']!r} has ended (completed) and cannot take a message; send this message without a taskId, with"
+        f" contextId {done['contextId']!r}, to start the conversation's next task"
     )
 
 
