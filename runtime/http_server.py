@@ -12,6 +12,10 @@ one above) goes to the log in one line (``OneLine``).
 A connection the client has closed is let go at once, not when hypercorn's keep-alive timer ends
 (``_Connection``).
 
+An offer to upgrade to HTTP/2 (``Upgrade: h2c``) is declined, the request answered over HTTP/1.1
+(``_Http11``): the app answers nothing over HTTP/2 (see runtime.surface.app), and hypercorn took
+the offer up only for the request to be refused there.
+
 When accept(2) fails for want of file descriptors (or memory), ``trio.serve_listeners`` logs a
 traceback every 0.1 s until it succeeds; here it is one line a minute at most, naming the limit.
 The connections waiting meanwhile stay in the listen queue, and are taken once descriptors free up.
@@ -23,10 +27,13 @@ import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import hypercorn
 import trio
 from hypercorn.events import Event, RawData
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
@@ -34,6 +41,9 @@ from hypercorn.typing import AppWrapper, ConnectionState, Framework, LifespanSta
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 from runtime.starved import STARVED, starved_reason
+
+if TYPE_CHECKING:
+    import h11
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +159,19 @@ class _Connection(TCPServer):
         super().__init__(app, config, context, state, stream)
         self.idle_task = self._idle = _IdleTimer(self)
 
+    @property  # hypercorn's attribute, which its run() sets: the HTTP/1.1 protocol in it is swapped for _Http11
+    def protocol(self) -> ProtocolWrapper:
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, wrapper: ProtocolWrapper) -> None:
+        if type(wrapper.protocol) is H11Protocol:
+            wrapper.protocol = _Http11(
+                wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state,
+                wrapper.ssl, wrapper.client, wrapper.server, wrapper.send,
+            )  # fmt: skip
+        self._protocol = wrapper
+
     async def _read_data(self) -> None:
         await super()._read_data()
         self._idle.end()
@@ -161,6 +184,21 @@ class _Connection(TCPServer):
 
     async def close_idle(self) -> None:
         await self._initiate_server_close()
+
+
+class _Http11(H11Protocol):
+    """hypercorn's HTTP/1.1, declining an offer to upgrade to HTTP/2 (RFC 9110 7.8: a server may
+    ignore ``Upgrade``): the request is answered over HTTP/1.1, and the connection goes on so.
+
+    Java's HttpClient makes the offer on every plain-http request without a body, by default
+    (``curl --http2`` too); taken up, the request was answered 505 over HTTP/2, so such a client
+    could not even read the agent card. A client that speaks HTTP/2 from its first bytes (prior
+    knowledge) is still answered 505 over HTTP/2, which it reads.
+    """
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if not any(name == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers):
+            await super()._check_protocol(event)
 
 
 class _IdleTimer(TrioSingleTask):

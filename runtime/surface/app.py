@@ -97,7 +97,8 @@ def create_app(
     app.before_request(refuse_until_ready)
     app.register_error_handler(HTTPException, _plain_http_error)
     app.register_error_handler(Exception, _internal_error)
-    app.asgi_app = _ending_uncancelled(_http1_only(app.asgi_app))  # type: ignore[method-assign]
+    asgi_app = _closing_after_ambiguous_framing(_ending_uncancelled(_http1_only(app.asgi_app)))
+    app.asgi_app = asgi_app  # type: ignore[method-assign]
     return app
 
 
@@ -129,6 +130,31 @@ def _ending_uncancelled(asgi_app: Asgi) -> Asgi:
                 await send(message)
 
         await asgi_app(scope, receive, send_ending_uncancelled)
+
+    return app
+
+
+def _closing_after_ambiguous_framing(asgi_app: Asgi) -> Asgi:
+    """The app, closing the connection after answering a request framed both by Content-Length
+    and by Transfer-Encoding, as RFC 9112 6.1 says a server must.
+
+    hypercorn reads such a body by its chunks and kept the connection open. A proxy in front that
+    reads it by its Content-Length sends on a body that ends later: the rest, read here as a
+    request of its own, would be answered to whichever client the proxy gives the connection next.
+    """
+
+    async def app(scope: Asgi, receive: Asgi, send: Asgi) -> None:
+        names = {name for name, _value in scope.get("headers", ())}  # lower case, as ASGI gives them
+        if scope["type"] != "http" or not {b"content-length", b"transfer-encoding"} <= names:
+            await asgi_app(scope, receive, send)
+            return
+
+        async def send_closing(message: Asgi) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await asgi_app(scope, receive, send_closing)
 
     return app
 
