@@ -15,7 +15,7 @@ what ``/healthz`` probes. ``config`` holds the limits, with defaults.
 Routes::
 
     POST {rpc_path}                      JSON-RPC 2.0, A2A 1.0 and 0.3 (jsonrpc.py, streams.py)
-    GET  /.well-known/agent-card.json    the agent card (card.py)
+    GET  /.well-known/agent-card.json    the agent card (card.py); also at /.well-known/agent.json
     GET  /livez                          200 {"status":"alive"}, depending on nothing
     GET  /healthz                        200 {"status":"ready"} or 503 {"status":"unready","problems":[...]}
 
@@ -39,7 +39,7 @@ from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 
 from runtime.runner import ANONYMOUS
-from runtime.surface.card import CARD_PATH, CardEndpoint, CardFor
+from runtime.surface.card import CARD_PATH, CARD_PATH_0_2, CardEndpoint, CardFor
 from runtime.surface.health import NOT_STARTED, Health, Readiness
 from runtime.surface.jsonrpc import JsonRpcEndpoint, json_response
 
@@ -61,8 +61,10 @@ class SurfaceConfig:
     max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
     body_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
     """How long a request body may take to arrive whole."""
-    keepalive_s: float = attrs.field(default=15.0, validator=attrs.validators.gt(0))
-    """How long a stream may stay silent before it sends a keep-alive comment."""
+    keepalive_s: float = attrs.field(default=3.0, validator=attrs.validators.gt(0))
+    """How long a stream may stay silent before it sends a keep-alive comment: less than the 5 s
+    the a2a-sdk client waits for a read by default (httpx's timeout), so that its stream outlasts
+    a run that is silent (waiting its turn, calling a tool, or a model still thinking)."""
     public_url: str | None = None
     """Where clients reach the server (through a proxy that ends TLS, say): the agent card names
     it, rather than the address a request came in on."""
@@ -87,7 +89,9 @@ def create_app(
     rpc = JsonRpcEndpoint(runner, ANONYMOUS, config.max_body_bytes, config.body_timeout_s, config.keepalive_s)
     for index, path in enumerate(_rpc_paths(config.rpc_path)):
         app.add_url_rule(path, f"jsonrpc{index}", rpc.handle, methods=["POST"], strict_slashes=False)
-    app.add_url_rule(CARD_PATH, "agent_card", CardEndpoint(card_for, config.rpc_path, config.public_url).handle, methods=["GET"])
+    card = CardEndpoint(card_for, config.rpc_path, config.public_url)
+    for index, path in enumerate((CARD_PATH, CARD_PATH_0_2)):
+        app.add_url_rule(path, f"agent_card{index}", card.handle, methods=["GET"])
     app.add_url_rule("/livez", "livez", _alive, methods=["GET"])
     app.add_url_rule("/healthz", "healthz", _Readiness(health).handle, methods=["GET"])
 

@@ -1,4 +1,5 @@
-"""``GET /.well-known/agent-card.json``: the public agent card (spec 1.0 §8.2).
+"""``GET /.well-known/agent-card.json``: the public agent card (spec 1.0 §8.2), also served at
+A2A 0.2's ``/.well-known/agent.json``.
 
 The server builds the card (name, description, skills, interfaces); this module only serves it.
 ``card_for`` receives the URL of the JSON-RPC endpoint as the client reached it, so the card
@@ -25,6 +26,9 @@ from quart import Response, request
 from protocol import AgentCard, encode_json
 
 CARD_PATH = "/.well-known/agent-card.json"
+# Where A2A 0.2 put it: the a2a-sdk 0.3 servers served the card there too, and clients of that time
+# (or that fall back to it, as the 0.3 TCK does) look for it there.
+CARD_PATH_0_2 = "/.well-known/agent.json"
 
 CardFor = Callable[[str], AgentCard]
 """Given the URL the JSON-RPC endpoint is reached at, the card to serve."""

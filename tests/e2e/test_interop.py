@@ -205,3 +205,14 @@ async def test_a_task_started_in_one_version_is_steered_followed_and_canceled_in
         assert canceled.status.state == a2a.TaskState.TASK_STATE_CANCELED
         assert seen[0].task.status.state == a2a.TaskState.TASK_STATE_WORKING
         assert seen[-1].status_update.status.state == a2a.TaskState.TASK_STATE_CANCELED
+
+
+# A2A 0.2 named the card's place /.well-known/agent.json; the a2a-sdk 0.3 servers still served it
+# there too, and clients of that time (and those that fall back to it) look for it nowhere else.
+async def test_the_card_is_found_at_the_well_known_path_of_a2a_0_2_too(tmp_path: Path, fake_model: FakeModel) -> None:
+    async with running_server(tmp_path / "state", fake_model.base_url) as server:
+        async with httpx.AsyncClient(timeout=30) as http:
+            card = await A2ACardResolver(http, server.url).get_agent_card()
+            older = await A2ACardResolver(http, server.url, agent_card_path="/.well-known/agent.json").get_agent_card()
+    assert older == card
+

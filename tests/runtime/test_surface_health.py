@@ -345,7 +345,7 @@ async def test_the_agent_card_refuses_other_methods(keel: Served) -> None:
     assert "GET" in response.headers["allow"]
 
 
-@pytest.mark.parametrize("path", ["/healthz/", "/.well-known/agent.json", "/metrics"])
+@pytest.mark.parametrize("path", ["/healthz/", "/.well-known/agent-cards.json", "/metrics"])
 async def test_other_paths_are_a_plain_404(keel: Served, path: str) -> None:
     response = await get(keel, path)
     assert response.status_code == 404

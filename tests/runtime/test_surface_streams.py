@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 import trio
 import trio.testing
@@ -258,6 +259,24 @@ async def test_an_idle_stream_sends_keepalive_comments(fake_model: FakeModel, tm
             keel.gate.opened.set()
             frames = results(await events.rest())
         assert state(frames[-1]) == "TASK_STATE_COMPLETED"
+
+
+async def test_an_idle_stream_sends_a_keepalive_before_a_client_with_httpx_defaults_gives_up_on_it(keel: Served) -> None:
+    # The a2a-sdk client, made as documented (create_client without an HTTP client of its own),
+    # reads through an httpx client with httpx's default timeout: its stream fails once it has
+    # read nothing for that long, though the run goes on (waiting its turn, in a tool, a model
+    # slow to start its answer).
+    gives_up_after_s = httpx.AsyncClient().timeout.read
+    assert gives_up_after_s is not None
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+    async with keel.stream("SendStreamingMessage", {"message": message("Roll back")}) as events:
+        assert await events.next() is not None
+        await keel.gate.wait_entered()
+        with trio.fail_after(gives_up_after_s):
+            await events.wait_for_bytes(b"\n\n: keep-alive\n\n")
+        keel.gate.opened.set()
+        frames = results(await events.rest())
+    assert state(frames[-1]) == "TASK_STATE_COMPLETED"
 
 
 @BOTH
