@@ -24,7 +24,10 @@ INTERRUPTED_EXIT = 128 + signal.SIGINT  # what a shell reports for a command Ctr
 def build_parser(prog: str = "python -m runtime") -> argparse.ArgumentParser:
     import importlib
 
+    from runtime.agents import app_version
+
     parser = argparse.ArgumentParser(prog=prog, description="Keel, a durable A2A agent runtime.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {app_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import attrs
 
@@ -93,7 +93,7 @@ def _positive_float(text: str) -> float:
 def _url(text: str) -> str:
     if not _bare(text).isprintable():  # a URL parser drops a tab or a newline, and shows the URL without it
         raise ValueError("it holds a control character (a newline or a tab, say); remove it")
-    parts = urlsplit(text)
+    parts = _split(text, "http://[::1]:11434/v1")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"it must be an http:// or https:// URL with a host, like {DEFAULT_BASE_URL}")
     if misplaced_at(text):
@@ -103,9 +103,27 @@ def _url(text: str) -> str:
     return text.rstrip("/")
 
 
+def _split(text: str, like: str) -> SplitResult:
+    try:
+        return urlsplit(text)
+    except ValueError:  # a bracket that does not pair up ("Invalid IPv6 URL", in Python's words)
+        raise ValueError(f"it cannot be read as a URL; write an IPv6 address in brackets, like {like}") from None
+
+
+def _model_url(text: str) -> str:
+    url = _url(text)
+    if urlsplit(url).path.endswith("/chat/completions"):  # where Keel sends its requests, under the base
+        raise ValueError(
+            f"it ends with /chat/completions, which Keel adds itself; give the API's base URL, like {DEFAULT_BASE_URL}"
+        )
+    return url
+
+
 def _public_url(text: str) -> str:
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment or parts.username:
+    parts = _split(text, "https://[::1]:8443/keel")
+    # An '@' with nothing before it, or a password alone (`https://:pw@host`), is no user name
+    # to urlsplit; and an empty query or fragment would be shown without its '?' or '#'.
+    if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc or "?" in text or "#" in text:
         raise ValueError(
             "it must be an http:// or https:// URL with a host, and no credentials or query, like https://agents.example/keel"
         )
@@ -297,7 +315,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("port", "AGENT_PORT", _port, "--port", "port to listen on (0: any free port)"),
     Setting("state_dir", "AGENT_STATE_DIR", _state_dir, "--state-dir", "where the databases live", probe=_can_make_state_dir),
     Setting(
-        "model_base_url", "AGENT_MODEL_BASE_URL", _url, "--model-base-url", "an OpenAI-compatible API",
+        "model_base_url", "AGENT_MODEL_BASE_URL", _model_url, "--model-base-url", "an OpenAI-compatible API",
         show=without_credentials,
     ),  # fmt: skip
     Setting("model", "AGENT_MODEL", _bare, "--model", "the model to ask"),
@@ -362,6 +380,9 @@ class Config:
             text = given if given is not None else env.get(setting.env)
             sources[setting.field] = source
             try:
+                if text is not None and not text.strip():  # a compose file's `${VAR:-}`, say: meant as not set
+                    undo = "leave the flag out" if given is not None else "unset it"
+                    raise ValueError(f"it must not be empty; {undo} to use its default")
                 if text is not None:
                     values[setting.field] = setting.parse(text)
                 if probe and setting.probe is not None:
@@ -396,8 +417,9 @@ def unknown_settings(env: Mapping[str, str]) -> list[str]:
     known = {s.env for s in SETTINGS} | EXTRA_KNOWN
     problems = []
     for name in sorted(env):
-        if name.startswith("AGENT_") and name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
+        # One in the wrong case (`agent_state_dir`) would be ignored as surely as a misspelt one.
+        if name not in known and (name.startswith("AGENT_") or name.upper() in known):
+            close = difflib.get_close_matches(name.upper(), sorted(known), n=1)
             hint = f"; did you mean {close[0]}?" if close else f"; the settings are: {', '.join(sorted(known))}"
             problems.append(f"{name} is not a setting Keel knows{hint}")
     return problems

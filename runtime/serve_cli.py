@@ -100,17 +100,22 @@ def _check(args: argparse.Namespace) -> int:
     if problems or config is None:
         print(f"error: {ConfigError(problems)}", file=sys.stderr)
         return 1
+    lines = []
     for setting in SETTINGS:
         value = getattr(config, setting.field)
         if value is None:
             shown = NOT_SET
         else:
             shown = "(set)" if setting.secret else setting.show(_as_written(value))
-        print(f"{setting.env}={shown}")
-    print(f"{BACKUP_ROOT_ENV}={backups}")
-    for line in older:
-        print(f"note: {line} (take a state snapshot first to keep a way back)")
-    print("configuration ok")
+        lines.append(f"{setting.env}={shown}")
+    lines.append(f"{BACKUP_ROOT_ENV}={backups}")
+    lines.extend(f"note: {line} (take a state snapshot first to keep a way back)" for line in older)
+    try:
+        print("\n".join([*lines, "configuration ok"]), flush=True)
+    except OSError as exc:  # a full disk, a reader that has gone
+        _drop_stdout()
+        print(f"error: the settings could not be written: {os_error_text(exc)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -299,11 +304,16 @@ def _announce(line: str) -> None:
         print(line, flush=True)
     except OSError as exc:
         logging.getLogger(__name__).warning(cannot, os_error_text(exc), line)
-        with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor has nothing to redirect
-            # What stayed in its buffer goes nowhere, rather than fail again as the process exits.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+        _drop_stdout()
+
+
+def _drop_stdout() -> None:
+    """Send what stdout still holds in its buffer nowhere, after a write to it failed, rather
+    than fail again (with a traceback) as the process exits."""
+    with contextlib.suppress(OSError, ValueError):  # a stdout with no descriptor has nothing to redirect
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)

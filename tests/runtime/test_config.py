@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.agents import app_version
 from runtime.config import Config, ConfigError, without_credentials
 
 
@@ -411,3 +412,114 @@ def test_check_refuses_a_symbolic_link_as_the_state_directory_as_serve_does(tmp_
     result = run_cli("check", "--state-dir", str(tmp_path / "link"), env={})
     assert result.returncode == 1, result.stdout
     assert "is not valid: it is a symbolic link; give the directory it points to\n" in result.stderr
+
+
+@pytest.mark.parametrize("url", ["https://:pw-secret@agents.example/keel", "https://@agents.example/keel"])
+def test_a_public_url_carrying_a_password_without_a_user_name_is_refused_rather_than_published(url: str) -> None:
+    # The agent card gave every client `https://:pw-secret@agents.example/keel/`, while `check`
+    # showed it masked and said the configuration was ok.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_PUBLIC_URL": url})
+    assert caught.value.problems == [
+        "AGENT_PUBLIC_URL='https://***@agents.example/keel' is not valid: it must be an http:// or https:// URL with a host,"
+        " and no credentials or query, like https://agents.example/keel"
+    ]
+    assert "pw-secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url", ["https://agents.example/keel?", "https://agents.example/keel#"])
+def test_a_public_url_ending_in_an_empty_query_or_fragment_is_refused_rather_than_shown_without_it(url: str) -> None:
+    # `check` showed https://agents.example/keel, and the card gave clients the URL with its '?'.
+    with pytest.raises(ConfigError, match="no credentials or query, like https://agents.example/keel"):
+        Config.load({"AGENT_PUBLIC_URL": url})
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/"])
+def test_a_model_url_naming_the_chat_endpoint_rather_than_the_api_is_refused_saying_what_to_give(path: str) -> None:
+    # Keel adds /chat/completions (and /models) itself: every task failed with HTTP 404, and
+    # /healthz said the endpoint did not exist, with no word of why.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({}, {"model_base_url": f"http://127.0.0.1:11434{path}"})
+    assert caught.value.problems == [
+        f"--model-base-url='http://127.0.0.1:11434{path}' is not valid: it ends with /chat/completions, which Keel adds"
+        " itself; give the API's base URL, like http://127.0.0.1:11434/v1"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("variable", "given"),
+    [("AGENT_HOST", ""), ("AGENT_PORT", ""), ("AGENT_PUBLIC_URL", ""), ("AGENT_ORPHANS", " "), ("AGENT_DRAIN_TIMEOUT_S", "")],
+)
+def test_an_empty_variable_is_refused_saying_to_unset_it_for_its_default(variable: str, given: str) -> None:
+    # A compose file's `AGENT_PUBLIC_URL: ${PUBLIC_URL:-}` means "none"; it was told to give an
+    # http:// URL, and an empty AGENT_PORT that a port is a whole number.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({variable: given})
+    assert caught.value.problems == [f"{variable}={given!r} is not valid: it must not be empty; unset it to use its default"]
+
+
+def test_an_empty_flag_is_refused_saying_to_leave_it_out_for_its_default() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.load({}, {"port": "", "public_url": ""})
+    assert caught.value.problems == [
+        "--port='' is not valid: it must not be empty; leave the flag out to use its default",
+        "--public-url='' is not valid: it must not be empty; leave the flag out to use its default",
+    ]
+
+
+def test_an_empty_api_key_is_refused_saying_to_unset_it_without_showing_it() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MODEL_API_KEY": ""})
+    assert caught.value.problems == [
+        "AGENT_MODEL_API_KEY=(hidden) is not valid: it must not be empty; unset it to use its default"
+    ]
+
+
+def test_a_setting_spelt_in_the_wrong_case_is_refused_naming_the_one_meant() -> None:
+    # `agent_state_dir` was ignored, so serve and the state commands acted on .state in the current
+    # directory; `AGENT_model` was reported without a word of AGENT_MODEL.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"agent_state_dir": "/srv/keel", "AGENT_model": "llama3", "PATH": "/bin", "agent": "x"})
+    assert caught.value.problems == [
+        "AGENT_model is not a setting Keel knows; did you mean AGENT_MODEL?",
+        "agent_state_dir is not a setting Keel knows; did you mean AGENT_STATE_DIR?",
+    ]
+
+
+def test_a_state_command_refuses_a_setting_spelt_in_the_wrong_case_before_it_touches_the_default_state_dir(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / ".state").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime", "state", "reset"],
+        env={k: v for k, v in os.environ.items() if not k.upper().startswith("AGENT_")} | {"agent_state_dir": "elsewhere"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout
+    assert "agent_state_dir is not a setting Keel knows; did you mean AGENT_STATE_DIR?" in result.stderr
+
+
+def test_the_command_line_says_its_version() -> None:
+    result = run_cli("--version", env={})
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == f"python -m runtime {app_version()}\n"
+
+
+@pytest.mark.parametrize(("setting", "like"), [("AGENT_MODEL_BASE_URL", "http://[::1]:11434/v1"), ("AGENT_PUBLIC_URL", "https://[::1]:8443/keel")])
+def test_a_url_no_parser_can_read_is_refused_saying_how_one_is_written(setting: str, like: str) -> None:
+    # It was refused in Python's own words ("Invalid IPv6 URL"), which say nothing of what to give.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({setting: "http://[::1:11434/v1"})
+    [problem] = caught.value.problems
+    assert problem.endswith(f"is not valid: it cannot be read as a URL; write an IPv6 address in brackets, like {like}")
+
+
+def test_check_whose_output_cannot_be_written_says_so_without_a_traceback(tmp_path: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_")}
+    with open("/dev/full", "w") as full:  # a full disk, as a redirection to a file meets it
+        result = subprocess.run(
+            [sys.executable, "-m", "runtime", "check", "--state-dir", str(tmp_path / "state")],
+            env=clean, stdout=full, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr == "error: the settings could not be written: No space left on device\n"
