@@ -340,6 +340,10 @@ SETTINGS: tuple[Setting, ...] = (
         "send_timeout_s", "AGENT_SEND_TIMEOUT_S", _positive_float, "--send-timeout-s",
         "how long a client may take none of what it is sent before its connection is closed",
     ),  # fmt: skip
+    Setting(
+        "keep_alive_s", "AGENT_KEEP_ALIVE_S", _positive_float, "--keep-alive-s",
+        "how long a client connection may wait idle for its next request; behind a proxy, more than the proxy's own",
+    ),  # fmt: skip
 )
 
 
@@ -358,6 +362,7 @@ class Config:
     public_url: str | None = None
     orphans: str = "resume"
     send_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
     cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state
 
     @classmethod

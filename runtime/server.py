@@ -377,6 +377,7 @@ def _warn_if_beyond_this_machine(sock: socket.socket) -> None:
 def _http_config(config: Config) -> _HttpConfig:
     http = _HttpConfig()
     http.send_timeout_s = config.send_timeout_s
+    http.keep_alive_timeout = config.keep_alive_s  # a connection that has not sent its first request too
     http.bind = [f"{config.host}:{config.port}"]
     http.accesslog = None
     errorlog = logging.getLogger("hypercorn.error")  # through our logging, printed once

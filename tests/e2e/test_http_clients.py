@@ -11,6 +11,8 @@ import h11
 import trio
 
 from fake_model import FakeModel
+from runtime.config import Config
+from runtime.server import _http_config
 from tests.e2e.served_server import running_server
 from tests.runtime.served import DEADLINE_S
 
@@ -83,3 +85,25 @@ async def test_a_request_framed_both_by_content_length_and_by_chunks_is_answered
                     received += chunk
     assert received.count(b"HTTP/1.1 ") == 1, bytes(received)  # the request's answer, and only it
     assert b"connection: close" in received.lower() and b'"TASK_NOT_FOUND"' in received, bytes(received)
+
+
+async def test_an_idle_connection_is_kept_as_long_as_the_keep_alive_setting_says(tmp_path: Path, fake_model: FakeModel) -> None:
+    # A proxy keeps its connections to the server open for a while (nginx's upstream keepalive,
+    # a cloud load balancer's 60 s or more): the server must keep them longer, or the proxy sends
+    # a request on one just as the server closes it, and its client gets a 502. Shorter here.
+    keep_s = 0.5
+    async with (
+        running_server(tmp_path / "state", fake_model.base_url, keep_alive_s=keep_s) as server,
+        await open_stream(server.url) as stream,
+    ):
+        client = h11.Connection(h11.CLIENT)
+        assert (await get(stream, client, "/livez"))[0] == 200
+        idle_since = trio.current_time()
+        with trio.fail_after(DEADLINE_S):
+            assert await stream.receive_some() == b""  # closed by the server
+        assert trio.current_time() - idle_since >= keep_s
+
+
+def test_the_keep_alive_setting_is_the_http_servers() -> None:
+    assert _http_config(Config.load({"AGENT_KEEP_ALIVE_S": "75"})).keep_alive_timeout == 75.0
+    assert _http_config(Config.load({})).keep_alive_timeout == 5.0

@@ -117,6 +117,7 @@ def test_the_help_gives_each_setting_its_default_and_names_those_only_the_enviro
         "(default 100; $AGENT_MAX_MODEL_CONNECTIONS)",
         "(default resume; $AGENT_ORPHANS)",
         "(default 30; $AGENT_SEND_TIMEOUT_S)",
+        "(default 5; $AGENT_KEEP_ALIVE_S)",
         "Set in the environment only: AGENT_MODEL_API_KEY, bearer token for the model API.",
     ]:
         assert shown in said
