@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 # Each command module exposes ``add_parser(subparsers)``; each command's parser sets ``func``
 # to a callable taking the parsed namespace and returning an exit code, and ``parser`` to itself.
@@ -21,12 +22,21 @@ HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 INTERRUPTED_EXIT = 128 + signal.SIGINT  # what a shell reports for a command Ctrl-C ended
 
 
+class _ExactParser(argparse.ArgumentParser):
+    """A parser that takes a flag only as written in full: with argparse's default, ``--state``
+    is taken for ``--state-dir``, and a script written so would change meaning the day another
+    flag begins the same way. Its commands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+
 def build_parser(prog: str = "python -m runtime") -> argparse.ArgumentParser:
     import importlib
 
     from runtime.agents import app_version
 
-    parser = argparse.ArgumentParser(prog=prog, description="Keel, a durable A2A agent runtime.")
+    parser = _ExactParser(prog=prog, description="Keel, a durable A2A agent runtime.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {app_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

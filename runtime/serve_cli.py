@@ -122,7 +122,7 @@ def _check(args: argparse.Namespace) -> int:
 def serve_with(argv: Sequence[str], **options: Any) -> int:
     """``python -m runtime serve ARGV``, with ``options`` handed to ``runtime.server.serve`` (an
     in-process model, say: scripts/bench/keel_instant.py). Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="serve")
+    parser = argparse.ArgumentParser(prog="serve", allow_abbrev=False)
     _add_setting_flags(parser)
     return _serve(parser.parse_args(argv), **options)
 

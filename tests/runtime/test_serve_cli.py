@@ -246,3 +246,16 @@ async def test_the_lines_a_stalled_log_reader_missed_are_counted_where_they_went
             assert line == f"line {expected}", f"{line!r} where 'line {expected}' was to come"
             expected += 1
     assert expected == 1000 and counted > 0, (expected, counted)
+
+
+
+@pytest.mark.parametrize("command", [["check", "--state", "elsewhere"], ["state", "snapshot", "--ke", "2"]])
+def test_a_flag_given_only_in_part_is_refused_not_taken_for_the_flag_it_begins(tmp_path: Path, command: list[str]) -> None:
+    # argparse takes `--state` for `--state-dir` by default: a script written so would change its
+    # meaning, or stop working, the day a flag beginning the same way is added.
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime", *command], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"error: unrecognized arguments: {command[-2]}" in result.stderr
+    assert list(tmp_path.iterdir()) == []
