@@ -42,6 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "host and port, the state directory), and print every problem at once (exit 1), or every setting (exit 0).",
     )
     _add_setting_flags(check)
+    check.epilog = (
+        f"{check.epilog} It checks {BACKUP_ROOT_ENV} too, as state snapshot takes it (where snapshots go; default:"
+        " beside the state directory, named after it with -backups)."
+    )
     check.set_defaults(func=_check, parser=check)
 
 

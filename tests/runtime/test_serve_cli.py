@@ -121,6 +121,7 @@ def test_the_help_gives_each_setting_its_default_and_names_those_only_the_enviro
         "Set in the environment only: AGENT_MODEL_API_KEY, bearer token for the model API.",
     ]:
         assert shown in said
+    assert ("It checks AGENT_BACKUP_ROOT too, as state snapshot takes it" in said) is (command == "check")
 
 
 def test_the_agent_card_reads_the_installed_version_once(monkeypatch: pytest.MonkeyPatch) -> None:
