@@ -46,6 +46,9 @@ class StreamAssembler:
     # refused (ModelReasoningRunaway), rather than read for as long as the model goes round.
     max_reasoning_chars: int | None = attrs.field(default=None, kw_only=True)
     done: bool = attrs.field(init=False, default=False)
+    # Chunks that carried any of the answer (text, reasoning, a piece of a tool call, the finish):
+    # one holding none of it (an empty delta, usage alone, another choice) is no sign of life.
+    pieces: int = attrs.field(init=False, default=0)
     _data: list[str] = attrs.field(init=False, factory=list)
     _event: str = attrs.field(init=False, default="")  # the type of the event being collected
     _data_chars: int = attrs.field(init=False, default=0)
@@ -53,7 +56,7 @@ class StreamAssembler:
     _held: str = attrs.field(init=False, default="")  # a surrogate that ended the last text, awaiting its pair
     _think: ThinkFilter = attrs.field(init=False, factory=ThinkFilter)  # reasoning opening the text is not the answer
     _reasoned: bool = attrs.field(init=False, default=False)  # reasoning came apart from the text
-    _reasoning_chars: int = attrs.field(init=False, default=0)  # of reasoning, before the answer started
+    _reasoning_chars: int = attrs.field(init=False, default=0)  # of reasoning, in the answer so far
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
     _moved: dict[int, int] = attrs.field(init=False, factory=dict)  # a server's call index, to the call it now leads to
     _finish_reason: str = attrs.field(init=False, default="")
@@ -198,14 +201,18 @@ class StreamAssembler:
         self._reasoned = self._reasoned or carries_reasoning(delta)
         content = self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content"))
         text = self._think.feed(content)
-        if not self.started:  # what its reasoning block held, or what came apart from the content
-            self._reasoning_chars += reasoning_chars(delta) + len(content) - len(text)
-            if self.max_reasoning_chars is not None and self._reasoning_chars > self.max_reasoning_chars:
-                raise ModelReasoningRunaway(self.model, self.max_reasoning_chars)
+        # What its reasoning block held, or what came apart from the content: counted for the whole
+        # answer, since reasoning that goes on once the answer has begun adds nothing to its size.
+        reasoned = reasoning_chars(delta) + len(content) - len(text)
+        self._reasoning_chars += reasoned
+        if self.max_reasoning_chars is not None and self._reasoning_chars > self.max_reasoning_chars:
+            raise ModelReasoningRunaway(self.model, self.max_reasoning_chars, started=self.started)
         deltas.extend(self._said(text))
         calls = delta.get("tool_calls") or []
         if not isinstance(calls, list):
             raise ModelBadResponse(self.model, "a chunk's tool calls are not a list")
+        if content or reasoned or calls or choice.get("finish_reason"):
+            self.pieces += 1
         if calls and self._finish_reason:
             raise ModelBadResponse(self.model, "a tool call fragment came after the model had finished")
         for position, call in enumerate(calls):

@@ -396,10 +396,10 @@ class ChatStream:
                     if line is None:
                         self._pending.extend(self._assembler.end_of_stream(cut_off=self._cut_off))
                         continue
-                    field, _, value = line.partition(":")
-                    if field == "data" and value.strip():  # an event with empty data is a heartbeat, as a comment is
-                        self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
+                    pieces = self._assembler.pieces
                     self._pending.extend(self._assembler.feed_line(line))
+                    if self._assembler.pieces != pieces:  # a chunk holding none of the answer is a heartbeat, as a comment is
+                        self._quiet_until = quiet.deadline = trio.current_time() + timeout_s
                     if self._reasoning_from is None and self._assembler.reasoning:
                         self._reasoning_from = self._quiet_until
                 except ModelError as exc:  # what the server said may repeat the key it was sent
@@ -415,7 +415,7 @@ class ChatStream:
                 return self._pending.popleft()
             raise StopAsyncIteration
         waiting_for = part_awaited(self._assembler.started, self._reasoned_s())
-        detail = "no data arrived in that time, keep-alive comments at most"
+        detail = "none of the answer arrived in that time, keep-alive comments or chunks holding none of it at most"
         raise ModelTimeout(self._client.config.model, waiting_for, timeout_s, detail=detail)
 
     def _reasoned_s(self) -> float | None:

@@ -107,10 +107,12 @@ class ModelBadResponse(ModelError):
 
 
 class ModelReasoningRunaway(ModelError):
-    """A model that reasoned for more than ``limit`` characters and had not started its answer: a
-    small one can go round in its reasoning for ever, never silent for long enough to time out."""
+    """A model that reasoned for more than ``limit`` characters in one answer (``started``: after
+    some of it had come): a small one can go round in its reasoning for ever, never silent for
+    long enough to time out."""
 
-    def __init__(self, model: str, limit: int) -> None:
-        reason = f"it reasoned for more than {limit} characters and had not started its answer"
+    def __init__(self, model: str, limit: int, *, started: bool = False) -> None:
+        where = "in one answer" if started else "and had not started its answer"
+        reason = f"it reasoned for more than {limit} characters {where}"
         super().__init__(model, "would not stop reasoning", f"{reason}; ask again, or for less in one message")
         self.limit = limit

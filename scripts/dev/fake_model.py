@@ -69,14 +69,16 @@ class Reply:
     ``delay_s`` passes before the response starts and ``gap_s`` between two streamed events.
     ``fail_after_chunks=N`` drops the connection after N events (non-streamed: after half the body).
     ``hang_after_chunks=N`` (streamed only) sends N events and then nothing, until the client leaves;
-    with ``keepalive_s`` it sends an SSE comment that often meanwhile, as a proxy keeping the
-    connection open does, but no event. ``ignore_stream`` answers in one JSON body even when asked
-    to stream, as some servers and proxies do. ``repeat_call_names`` repeats each call's id and
+    with ``keepalive_s`` it sends ``keepalive_event`` that often meanwhile (an SSE comment, as a
+    proxy keeping the connection open sends; or a chunk that holds none of the answer).
+    ``ignore_stream`` answers in one JSON body even when asked to stream, as some servers and
+    proxies do. ``repeat_call_names`` repeats each call's id and
     name in every piece of it, as some servers do.
 
     Other servers' dialects: ``reasoning`` goes out before the text, ``chunk_chars`` at a time, in
     ``reasoning_field`` deltas whose content is empty (a reasoning model thinking); in one body, in
-    the message's ``reasoning_field``.
+    the message's ``reasoning_field``. ``reasoning_after`` goes out the same way after the text
+    (a model that goes back to reasoning once its answer has begun); streamed only.
     ``content_parts`` sends content (and reasoning) as lists of typed parts, as Mistral's API does
     for its reasoning models. ``same_call_index`` gives every call index 0, as Ollama streams
     parallel calls. ``error_after_chunks=N`` sends N events, then ``error_event`` (written as it
@@ -91,10 +93,12 @@ class Reply:
     fail_after_chunks: int | None = None
     hang_after_chunks: int | None = None
     keepalive_s: float = 0.0
+    keepalive_event: str = ": keep-alive"
     ignore_stream: bool = False
     repeat_call_names: bool = False
     finish_reason: str = ""  # "" gives "tool_calls" or "stop"
     reasoning: str = ""
+    reasoning_after: str = ""
     # vLLM's, llama.cpp's and DeepSeek's; Ollama's is "reasoning". Several, space-separated, each
     # carry the same text (as servers do that keep an older name beside the new one).
     reasoning_field: str = "reasoning_content"
@@ -290,13 +294,17 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
         return _json({**head, "choices": [choice]})
 
     yield chunk({"role": "assistant", "content": ""})
-    for piece in _pieces(reply.reasoning, reply.chunk_chars):
-        if reply.content_parts:
-            yield chunk({"content": [{"type": "thinking", "thinking": [{"type": "text", "text": piece}]}]})
-        else:
-            yield chunk({"content": "", **dict.fromkeys(reply.reasoning_field.split(), piece)})
+    def reasoning(text: str) -> Iterator[str]:
+        for piece in _pieces(text, reply.chunk_chars):
+            if reply.content_parts:
+                yield chunk({"content": [{"type": "thinking", "thinking": [{"type": "text", "text": piece}]}]})
+            else:
+                yield chunk({"content": "", **dict.fromkeys(reply.reasoning_field.split(), piece)})
+
+    yield from reasoning(reply.reasoning)
     for piece in _pieces(reply.text, reply.chunk_chars):
         yield chunk({"content": [{"type": "text", "text": piece}] if reply.content_parts else piece})
+    yield from reasoning(reply.reasoning_after)
     for index, call in enumerate(reply.tool_calls):
         function = {"name": call.name, "arguments": ""}
         at = 0 if reply.same_call_index else index
@@ -349,7 +357,7 @@ async def _send_stream(send: Send, reply: Reply, events: Iterator[str], exchange
         if sent == reply.hang_after_chunks:  # a stalled model; ends when the client goes away
             while reply.keepalive_s:
                 await trio.sleep(reply.keepalive_s)
-                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+                await send({"type": "http.response.body", "body": f"{reply.keepalive_event}\n\n".encode(), "more_body": True})
             await trio.sleep_forever()
         if sent and reply.gap_s:
             await trio.sleep(reply.gap_s)

@@ -239,3 +239,32 @@ async def test_a_model_that_would_not_stop_reasoning_fails_its_task_saying_so_an
     again, _ = await streamed(keel, "Why, in short?", contextId=task["contextId"])
     assert artifact_texts(again) == [ANSWER]
     assert "I must check" not in json.dumps(keel.model.bodies[-1])
+
+
+async def test_a_model_that_goes_back_to_reasoning_and_would_not_stop_fails_its_task_keeping_what_it_had_said(
+    keel: Served,
+) -> None:
+    # Its answer begun, the model reasons on and on: completed, the task passed its first words off as the answer.
+    looping = "I must check the lease again. " * (MAX_REASONING_CHARS // 30 + 100)
+    keel.model.script = [Reply(text="Let me think.", reasoning_after=looping, chunk_chars=1 << 16), Reply(text=ANSWER)]
+    task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_FAILED"
+    assert task["status"]["message"]["parts"] == [{"text": (
+        f"The task failed: model 'qwen3:4b-instruct' would not stop reasoning: it reasoned for more than {MAX_REASONING_CHARS}"
+        " characters in one answer; ask again, or for less in one message"
+    )}]  # fmt: skip
+    assert artifact_texts(task) == [put_together(updates)] == ["Let me think."]
+    again, _ = await streamed(keel, "Why, in short?", contextId=task["contextId"])
+    assert artifact_texts(again) == [ANSWER]
+
+
+async def test_a_model_that_sends_chunks_holding_none_of_its_answer_fails_its_task_once_the_model_timeout_passes(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # A server stuck before its first token, sending the opening chunk again and again: the task stayed WORKING for ever.
+    empty = '{"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": ""}}]}'
+    fake_model.script = [Reply(text=ANSWER, hang_after_chunks=1, keepalive_s=0.02, keepalive_event=f"data: {empty}")]
+    async with serve_keel(tmp_path / "state", fake_model, model_timeout_s=0.3) as keel:
+        task, updates = await streamed(keel, "Why did the vault lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_FAILED" and updates == []
+    assert "timed out: nothing arrived within 0.3s while waiting for the answer to start" in json.dumps(task["status"])

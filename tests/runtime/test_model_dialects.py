@@ -236,6 +236,28 @@ async def test_a_model_that_would_not_stop_reasoning_is_stopped_saying_so_in_any
     assert not [delta for delta in received if isinstance(delta, TextDelta)]
 
 
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+async def test_a_model_that_goes_back_to_reasoning_once_its_answer_began_and_would_not_stop_is_stopped_saying_so(
+    fake_model: FakeModel, field: str
+) -> None:
+    # Its reasoning adds nothing to the answer's size and keeps the call from timing out: unbounded,
+    # it held its task WORKING for as long as the model went round.
+    looping = "I must check the lease again. " * (MAX_REASONING_CHARS // 30 + 100)
+    fake_model.script = [Reply(text="Let me think.", reasoning_after=looping, reasoning_field=field, chunk_chars=1 << 16)]
+    received: list[Any] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelReasoningRunaway) as raised:
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    assert str(raised.value) == (
+        f"model 'qwen3:4b-instruct' would not stop reasoning: it reasoned for more than {MAX_REASONING_CHARS} characters"
+        " in one answer; ask again, or for less in one message"
+    )
+    assert received == [TextDelta("Let me think.")]
+
+
 async def test_a_model_whose_server_sends_its_reasoning_under_both_names_may_reason_as_long_as_any_other(
     fake_model: FakeModel,
 ) -> None:

@@ -612,9 +612,36 @@ async def test_stream_that_sends_only_keep_alive_comments_times_out_all_the_same
                     async for delta in chunks:
                         received.append(delta)
             await trio.testing.wait_all_tasks_blocked()
-    assert caught.value.detail == "no data arrived in that time, keep-alive comments at most"
+    assert caught.value.detail == (
+        "none of the answer arrived in that time, keep-alive comments or chunks holding none of it at most"
+    )
     assert received == [TextDelta("The lease")]
     assert fake_model.disconnects == 1  # the connection was closed, not left to the server
+
+
+EMPTY_CHUNKS = {
+    # The opening chunk again and again, as a server stuck before its first token can send it.
+    "empty content": '{"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": ""}}]}',
+    "no choices": '{"id": "c", "object": "chat.completion.chunk", "choices": []}',
+    # Usage on every chunk (vLLM's continuous usage stats), and nothing else.
+    "usage alone": '{"id": "c", "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 0, "total_tokens": 12}}',
+    "another choice": '{"id": "c", "choices": [{"index": 1, "delta": {"content": "x"}}]}',  # n=1 was asked for
+}
+
+
+@pytest.mark.parametrize("chunk", EMPTY_CHUNKS.values(), ids=EMPTY_CHUNKS.keys())
+@pytest.mark.parametrize(("hang_after", "waiting_for"), [(1, "the answer to start"), (2, "the rest of the answer")])
+async def test_a_stream_of_chunks_holding_none_of_the_answer_times_out_as_keep_alives_do(
+    fake_model: FakeModel, chunk: str, hang_after: int, waiting_for: str
+) -> None:
+    # Data keeps coming, but none of the answer does: the model has sent nothing, for as long as it likes.
+    heartbeat = f"data: {chunk}"
+    fake_model.script = [
+        Reply(text="The lease", chunk_chars=32, hang_after_chunks=hang_after, keepalive_s=0.02, keepalive_event=heartbeat)
+    ]
+    received, timeout = await timed_out_stream(fake_model, 0.3)
+    assert str(timeout) == f"model 'qwen3:4b-instruct' timed out: nothing arrived within 0.3s while waiting for {waiting_for}"
+    assert received == ([TextDelta("The lease")] if hang_after == 2 else [])
 
 
 @pytest.mark.parametrize(
