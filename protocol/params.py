@@ -8,7 +8,7 @@ as 1.0's ``tenant``, are ignored.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 
 import attrs
@@ -30,7 +30,8 @@ MAX_ID_CHARS = 512
 # one: 85,000 small parts (under the 1 MiB a body may be) took the server 14 times as long as the
 # same bytes in one part, about 1.8 s of its event loop, while every other client waited.
 MAX_PARTS = 1000
-# The most JSON values (objects, arrays, strings, numbers...) a message's data parts may hold. Each is
+# The most JSON values (objects, arrays, strings, numbers...) a message's data parts and the metadata
+# sent with it (the request's, the message's, its parts') may hold together. Each is
 # an object of its own in memory for as long as its task runs: 250,000 empty objects, 1 MiB as
 # sent, kept about 20 MiB for each run that had them.
 MAX_DATA_VALUES = 50_000
@@ -99,7 +100,7 @@ class SendMessageParams:
         reader = JsonReader.of(params, "", proto_names=not version.is_legacy)
         configuration = reader.opt_child("configuration")
         _check_part_count(reader.value("message"))  # before any part is read
-        _check_data_values(reader.value("message"))
+        _check_values(reader.obj)
         message = Message.from_json(reader.sent("message"), version, "message")
         _check_ids(message)
         return cls(
@@ -125,23 +126,34 @@ def _check_part_count(message: object) -> None:
         )
 
 
-def _check_data_values(message: object) -> None:
-    parts = message.get("parts") if isinstance(message, dict) else None
-    data = [part["data"] for part in parts if isinstance(part, dict) and "data" in part] if isinstance(parts, list) else []
+def _check_values(params: Mapping[str, object]) -> None:
+    """The JSON values of the message's data parts and of the metadata sent with it (the request's,
+    the message's and its parts'), counted together: each is kept in the task while it runs."""
+    message = params.get("message")
+    message = message if isinstance(message, dict) else {}
+    parts = message.get("parts")
+    found = [("metadata", params, "metadata"), ("message.metadata", message, "metadata")]
+    for index, part in enumerate(parts if isinstance(parts, list) else []):
+        if isinstance(part, dict):
+            found += [(f"message.parts[{index}].data", part, "data"), (f"message.parts[{index}].metadata", part, "metadata")]
     values = 0
-    while data and values <= MAX_DATA_VALUES:
-        value = data.pop()
-        values += 1
-        if isinstance(value, dict):
-            data.extend(value.values())
-        elif isinstance(value, list):
-            data.extend(value)
-    if values > MAX_DATA_VALUES:
-        raise InvalidParams(
-            "message.parts",
-            problem=f"hold more than {MAX_DATA_VALUES} JSON values in their data; a message may hold at most {MAX_DATA_VALUES}:"
-            " send large data as text, or as fewer values",
-        )
+    for field, holder, key in found:
+        if key not in holder:
+            continue
+        data = [holder[key]]
+        while data and values <= MAX_DATA_VALUES:
+            value = data.pop()
+            values += 1
+            if isinstance(value, dict):
+                data.extend(value.values())
+            elif isinstance(value, list):
+                data.extend(value)
+        if values > MAX_DATA_VALUES:
+            raise InvalidParams(
+                field,
+                problem=f"brings the message to more than {MAX_DATA_VALUES} JSON values, counted in its data parts and metadata;"
+                f" a message may hold at most {MAX_DATA_VALUES}: send large data as text, or as fewer values",
+            )
 
 
 def _check_ids(message: Message) -> None:

@@ -15,8 +15,8 @@ from runtime.tasks import STORED_VERSION
 def check_same(message: Message, sent: Message, task: Task, where: str) -> Task:
     """``task``, which ``sent`` went to, if ``message`` (of the same id) says the same."""
     # Compared as stored, so that what storing normalises (an empty metadata, say) does not make
-    # the same message look like another.
-    if [p.to_json(STORED_VERSION) for p in message.parts] != [p.to_json(STORED_VERSION) for p in sent.parts]:
+    # the same message look like another; and as JSON text, which tells true from 1 (== does not).
+    if as_sent(message) != as_sent(sent):
         raise sent_with_other_content(message, where)
     return task
 

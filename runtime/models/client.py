@@ -240,7 +240,7 @@ class ModelClient:
         if len(raw) > MAX_BODY_BYTES:
             raise ModelBadResponse(model, f"the body is larger than {MAX_BODY_BYTES} bytes")
         try:
-            return json.loads(raw)
+            return _loads(raw)
         except (ValueError, RecursionError) as exc:
             detail = self._scrub_cut(raw[:SAID_CHARS].decode("utf-8", "replace"))
             media = response.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -252,6 +252,15 @@ class ModelClient:
         cut would no longer match)."""
         # Some servers echo the key or the credentials they refused; logs should not keep them either.
         return self.config.scrub(text)[:_DETAIL_CHARS]
+
+
+def _loads(raw: bytes) -> Any:
+    """A JSON body. Bytes that are not UTF-8 (a character a server cut apart) read as U+FFFD, as
+    they do in a stream (SseLines), rather than make the whole answer unreadable."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError:
+        return json.loads(raw.decode("utf-8-sig", "replace"))
 
 
 def _any_data(pieces: list[bytes]) -> bool:

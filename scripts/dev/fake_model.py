@@ -82,7 +82,10 @@ class Reply:
     ``content_parts`` sends content (and reasoning) as lists of typed parts, as Mistral's API does
     for its reasoning models. ``same_call_index`` gives every call index 0, as Ollama streams
     parallel calls. ``error_after_chunks=N`` sends N events, then ``error_event`` (written as it
-    is) and ``[DONE]``, as a server that fails mid-answer does.
+    is) and ``[DONE]``, as a server that fails mid-answer does. ``raw_bytes`` sends the surrogate
+    escapes in the text and arguments (U+DC80 to U+DCFF, which ``bytes.decode("utf-8", "surrogateescape")``
+    makes of bytes that are not UTF-8) as the bytes they stand for: a server that cut a character's
+    UTF-8 bytes apart.
     """
 
     text: str = ""
@@ -108,6 +111,7 @@ class Reply:
     error_event: str = LLAMA_CPP_ERROR
     prompt_tokens: int = 12
     completion_tokens: int = 8
+    raw_bytes: bool = False
 
 
 @attrs.frozen
@@ -291,7 +295,7 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-        return _json({**head, "choices": [choice]})
+        return _json({**head, "choices": [choice]}, raw_bytes=reply.raw_bytes)
 
     yield chunk({"role": "assistant", "content": ""})
     def reasoning(text: str) -> Iterator[str]:
@@ -363,11 +367,11 @@ async def _send_stream(send: Send, reply: Reply, events: Iterator[str], exchange
             await trio.sleep(reply.gap_s)
         last = sent == len(data) - 1
         exchange.complete = last
-        await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": not last})
+        await send({"type": "http.response.body", "body": _encoded(f"data: {event}\n\n"), "more_body": not last})
 
 
 async def _send_whole(send: Send, reply: Reply, completion: dict[str, Any], exchange: _Exchange) -> None:
-    body = _json(completion).encode()
+    body = _encoded(_json(completion, raw_bytes=reply.raw_bytes))
     if reply.fail_after_chunks is not None:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -417,16 +421,24 @@ async def _read_body(receive: Receive) -> bytes:
     return b"".join(parts)
 
 
-def _json(data: object) -> str:
+def _json(data: object, *, raw_bytes: bool = False) -> str:
     """UTF-8 JSON text, as most servers send it; a string that is not Unicode text (a lone
     UTF-16 surrogate, which a script can hold, say to stand for half an emoji that a JavaScript
-    server cut between two chunks) is spelled as a JSON escape, as such a server spells it."""
+    server cut between two chunks) is spelled as a JSON escape, as such a server spells it, unless
+    ``raw_bytes`` (see Reply) leaves it for ``_encoded``."""
     text = json.dumps(data, ensure_ascii=False)
+    if raw_bytes:
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return json.dumps(data)
     return text
+
+
+def _encoded(text: str) -> bytes:
+    """``text`` in UTF-8, with its surrogate escapes as the bytes they stand for (see Reply.raw_bytes)."""
+    return text.encode("utf-8", "surrogateescape")
 
 
 async def _send_json(send: Send, status: int, data: dict[str, Any]) -> None:

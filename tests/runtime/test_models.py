@@ -148,6 +148,21 @@ async def test_stream_joins_an_emoji_cut_between_chunks_and_replaces_a_lone_half
     assert completion.message.tool_calls[0].arguments == '{"q": "\U0001f600"}'
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["streamed", "one body"])
+async def test_bytes_that_are_not_utf8_are_replaced_streamed_or_in_one_body(fake_model: FakeModel, whole: bool) -> None:
+    # A server that cuts a character's bytes apart (an answer stopped mid-character, a byte-level
+    # token) sends bytes that are not UTF-8; the rest of the answer is still the answer.
+    cut = "\u00e9".encode()[:1].decode("utf-8", "surrogateescape")  # the first of the two bytes of an e-acute
+    fake_model.script = [
+        Reply(text=f"caf{cut} ok", tool_calls=[Call("search", f'{{"q": "caf{cut}"}}')], raw_bytes=True, ignore_stream=whole)
+    ]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            _, completion = await read_stream(client)
+    assert completion.message.text == "caf\ufffd ok"
+    assert completion.message.tool_calls[0].arguments == '{"q": "caf\ufffd"}'
+
+
 async def test_stream_keeps_text_and_arguments_holding_unicode_line_separators(fake_model: FakeModel) -> None:
     # Raw inside a JSON string (a server need not escape them), they are not line breaks in an
     # event stream, though Python's str.splitlines() takes them for some.

@@ -21,7 +21,7 @@ import trio.testing
 from fake_model import ErrorReply, FakeModel, Reply
 
 import runtime.tasks
-from protocol import MAX_ID_CHARS, MAX_PARTS
+from protocol import MAX_DATA_VALUES, MAX_ID_CHARS, MAX_PARTS
 from protocol.jsonrpc import MAX_DEPTH, encode_json
 from runtime.runner import ANONYMOUS, Runner
 from runtime.surface import SurfaceConfig
@@ -329,6 +329,20 @@ async def test_a_message_id_sent_again_with_other_words_is_invalid_params_naming
         assert "a new message needs a new messageId" in error["message"]
     # What storing drops (an empty metadata) does not make it another message.
     same = {**question, "parts": [{"text": "Investigate the vault.", "metadata": {}}], "contextId": task["contextId"]}
+    assert (await keel.result("SendMessage", {"message": same}))["task"]["id"] == task["id"]
+    assert len(keel.model.bodies) == 1
+
+
+async def test_a_message_id_sent_again_with_a_data_value_of_another_json_type_is_invalid_params(keel: Served) -> None:
+    # true and 1, false and 0 are other JSON (and other words for the model), though Python's == takes them for the same.
+    keel.model.script = [Reply(text="Done.")]
+    question = {**message("", V1), "parts": [{"data": {"enabled": True, "retries": 0}}]}
+    task = (await keel.result("SendMessage", {"message": question}))["task"]
+    for data in ({"enabled": 1, "retries": 0}, {"enabled": True, "retries": False}):
+        error = await keel.error("SendMessage", {"message": {**question, "parts": [{"data": data}]}})
+        check_error(error, -32602, V1, "INVALID_PARAMS")
+        assert f"was sent before with other content, and started task {task['id']!r}" in error["message"], error["message"]
+    same = {**question, "parts": [{"data": {"retries": 0, "enabled": True}}]}  # the same JSON, its keys in another order
     assert (await keel.result("SendMessage", {"message": same}))["task"]["id"] == task["id"]
     assert len(keel.model.bodies) == 1
 
@@ -690,7 +704,9 @@ async def test_list_tasks_pages_through_a_context(keel: Served) -> None:
     assert len(last["tasks"]) == 1 and last["nextPageToken"] == ""
     assert last["tasks"][0]["artifacts"]
     assert {task["id"] for task in page["tasks"] + last["tasks"]} == ids
-    stamps = [task["status"]["timestamp"] for task in page["tasks"] + last["tasks"]]
+    # Compared as times: a status at a whole second is written without a fraction ("...:54Z"), which
+    # sorts after "...:54.014Z" as text.
+    stamps = [datetime.fromisoformat(task["status"]["timestamp"]) for task in page["tasks"] + last["tasks"]]
     assert stamps == sorted(stamps, reverse=True)  # newest first
     assert (await keel.result("ListTasks", {}))["totalSize"] == 4
     assert (await keel.result("ListTasks", {"status": "UNRECOGNIZED"}))["totalSize"] == 4  # @a2a-js/sdk's "no filter"
@@ -1044,6 +1060,29 @@ async def test_metadata_nested_to_the_limit_is_kept_and_read_back_and_deeper_is_
     check_error(error, -32700, V1, None)
     assert f"nested more than {MAX_DEPTH} deep" in error["message"]
     assert (await keel.result("ListTasks", {}))["totalSize"] == 1
+
+
+@pytest.mark.parametrize("field", ["metadata", "message.metadata", "message.parts[0].metadata"])
+async def test_metadata_holding_more_json_values_than_a_message_may_is_refused_naming_it(keel: Served, field: str) -> None:
+    # Kept in the task (its history, or its own metadata) while it runs, as a data part's values are.
+    keel.model.script = [Reply(text="fine")]
+
+    def params(objects: int) -> dict[str, Any]:
+        sent: dict[str, Any] = {"message": message("Investigate.", V1)}
+        holder = sent if field == "metadata" else sent["message"] if field == "message.metadata" else sent["message"]["parts"][0]
+        holder["metadata"] = {"hosts": [{} for _ in range(objects)]}  # the object, its array and the objects in it
+        return sent
+
+    error = await keel.error("SendMessage", params(MAX_DATA_VALUES - 1))
+    check_error(error, -32602, V1, "INVALID_PARAMS")
+    assert error["data"][1]["fieldViolations"][0]["field"] == field, error
+    assert f"more than {MAX_DATA_VALUES} JSON values" in error["message"]
+    assert (await keel.result("ListTasks", {}))["totalSize"] == 0 and keel.model.bodies == []
+    at_the_limit = params(MAX_DATA_VALUES - 2)
+    task = (await keel.result("SendMessage", at_the_limit))["task"]
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED"
+    kept = task if field == "metadata" else task["history"][0] if field == "message.metadata" else task["history"][0]["parts"][0]
+    assert kept["metadata"] == {"hosts": [{}] * (MAX_DATA_VALUES - 2)}
 
 
 async def test_a_model_answer_holding_half_an_emoji_completes_with_a_replacement_character(keel: Served) -> None:
