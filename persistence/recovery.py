@@ -54,6 +54,7 @@ from persistence.statedir import (
     live_inventory,
     make_state_dir,
     require_directory,
+    try_state_dir,
 )
 from persistence.statelocks import acquire_use, exclusive_use, generation_lock, release_use
 
@@ -138,6 +139,9 @@ def hold_state_dir(state_dir: Path) -> HeldStateDir:
     """
     outcome = recover(state_dir)
     make_state_dir(state_dir)
+    # One made read-only since a server last used it holds its lock files and databases: only
+    # trying tells that SQLite could make no journal beside them, as check tries.
+    try_state_dir(state_dir)
     with generation_lock(state_dir):
         # A restore may have run between recover() and this lock; check again while nothing can.
         again = recover_locked(state_dir, exclusive_held=False)

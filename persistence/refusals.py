@@ -65,6 +65,29 @@ def not_a_directory_to_use(path: Path) -> str | None:
     return None if stat.S_ISDIR(mode) else f"it is {kind_of(mode)}, not a directory"
 
 
+WORKING_DIRECTORY_GONE = (
+    "it is relative to the working directory, which has been removed since this process started in it; give an"
+    " absolute path, or start it in a directory that exists"
+)
+
+
+def working_directory_gone(path: Path) -> bool:
+    """Whether ``path`` is relative to a working directory that no longer exists (a release
+    directory a deploy replaced under a service still started in it)."""
+    if path.is_absolute():
+        return False
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return True
+    return False
+
+
+def unreachable(path: Path, exc: OSError) -> str:
+    """Why ``path`` cannot be reached (a parent this user may not search, a name too long...)."""
+    return WORKING_DIRECTORY_GONE if working_directory_gone(path) else f"it cannot be reached ({exc.strerror or exc})"
+
+
 def refusal(exc: OSError, made: str, where: Path) -> str:
     """Why the file system would not make new ``made`` ("files", "directories") in the directory
     ``where``, in plain words: no errno, and no "No such file or directory" for a directory that

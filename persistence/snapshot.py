@@ -157,10 +157,10 @@ def anothers_backup_root(backup_root: Path, state_dir: Path) -> str | None:
     Raises SnapshotError when the file that names it cannot be read."""
     owner = backup_root / OWNER_NAME
     try:
-        theirs = owner.read_text(encoding="utf-8").removesuffix("\n")
+        theirs = os.fsdecode(owner.read_bytes()).removesuffix("\n")  # a path as the file system spells it
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise SnapshotError(f"{owner} cannot be read ({exc}); it names the state directory whose snapshots are there") from exc
     return None if theirs == os.path.realpath(state_dir) else theirs
 
@@ -171,7 +171,7 @@ def _claim_backup_root(backup_root: Path, state_dir: Path, staging: Path) -> Non
     snapshot that fails leaves no claim, and made in ``staging`` first, which a failure removes."""
     if not os.path.lexists(backup_root / OWNER_NAME):
         claim = staging / OWNER_NAME
-        write_new_file(claim, f"{os.path.realpath(state_dir)}\n".encode(), mode=PRIVATE_MODE)
+        write_new_file(claim, os.fsencode(f"{os.path.realpath(state_dir)}\n"), mode=PRIVATE_MODE)
         owned_as_directory(claim, backup_root)
         try:
             os.link(claim, backup_root / OWNER_NAME)  # whole, and never over a claim made meanwhile

@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 
 from persistence.errors import StoreError
-from persistence.refusals import SYMLINK, cannot_create, not_a_directory, not_under, refusal
+from persistence.refusals import SYMLINK, WORKING_DIRECTORY_GONE, cannot_create, not_a_directory, not_under, refusal, unreachable
 from persistence.schema import KEEL_SCHEMA_PREFIX, read_identity
 
 USE_LOCK_NAME = ".keel.lock"
@@ -275,7 +275,8 @@ def _nearest_reachable(state_dir: Path) -> Path:
     try:
         return nearest_existing(state_dir)
     except OSError as exc:
-        raise UnusableStateDir(state_dir, f"it cannot be reached ({exc.strerror or exc})") from None
+        why = unreachable(state_dir, exc)
+        raise UnusableStateDir(state_dir, why, None if why == WORKING_DIRECTORY_GONE else CHOOSE_ANOTHER) from None
 
 
 def make_state_dir(state_dir: Path) -> None:

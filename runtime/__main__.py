@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import io
 import os
 import signal
 import sys
@@ -56,9 +58,34 @@ def _heed_held_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _as_the_file_system_spells_it(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """A name that is not UTF-8 (a file's, held as surrogates) as its own bytes, as ``ls`` writes
+    it; any other character the encoding lacks escaped (``\\xe9``)."""
+    try:
+        return codecs.lookup_error("surrogateescape")(exc)
+    except UnicodeError:
+        return codecs.backslashreplace_errors(exc)
+
+
+STDOUT_ERRORS = "keel.stdout"
+codecs.register_error(STDOUT_ERRORS, _as_the_file_system_spells_it)
+
+
+def _spell_what_stdout_cannot() -> str | None:
+    """Have stdout write what its encoding cannot (a state directory's name that is not UTF-8,
+    under PYTHONIOENCODING=utf-8 or a UTF-8 locale; an accent under ASCII), rather than fail the
+    command with a traceback as it prints the path, or the line saying where serve serves. The
+    errors it had, for ``main`` to put back; None where it already writes every name."""
+    if not isinstance(sys.stdout, io.TextIOWrapper) or sys.stdout.errors != "strict":
+        return None
+    sys.stdout.reconfigure(errors=STDOUT_ERRORS)
+    return "strict"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
     handlers = {signum: signal.getsignal(signum) for signum in HELD_SIGNALS}
+    stdout_errors = _spell_what_stdout_cannot()
     try:
         started_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         # The installed ``keel`` command names itself so; ``python -m runtime`` runs __main__.py.
@@ -81,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if handler is not None and signal.getsignal(signum) != handler:
                 signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if stdout_errors is not None and isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(errors=stdout_errors)
 
 
 if __name__ == "__main__":

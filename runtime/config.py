@@ -26,7 +26,16 @@ import attrs
 from persistence.databases import SCHEMAS, check_servable
 from persistence.errors import StoreError
 from persistence.recovery import check_recoverable
-from persistence.refusals import cannot_create, not_a_directory, not_a_directory_to_use, not_under, write_refused
+from persistence.refusals import (
+    WORKING_DIRECTORY_GONE,
+    cannot_create,
+    not_a_directory,
+    not_a_directory_to_use,
+    not_under,
+    unreachable,
+    working_directory_gone,
+    write_refused,
+)
 from persistence.snapshot import anothers_backup_root
 from persistence.statedir import SnapshotError, UnusableStateDir, nearest_existing, require_writable, too_full, try_state_dir
 from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, without_credentials
@@ -137,7 +146,7 @@ def _state_dir(text: str) -> Path:
     try:
         return _writable_dir(path)
     except OSError as exc:  # a parent this user may not search, a name too long...
-        raise ValueError(f"it cannot be reached ({exc.strerror or exc})") from None
+        raise ValueError(unreachable(path, exc)) from None
 
 
 def _writable_dir(path: Path) -> Path:
@@ -258,10 +267,14 @@ SURROUNDING_SPACE = "it starts or ends with white space (a file read with its ne
 def directory_given(text: str) -> Path:
     """A directory as a setting names it, refused where it would name another than the one
     meant: with white space at either end, or starting with a ``~`` no shell expanded (a
-    service manager's environment, say)."""
+    service manager's environment, say); and a relative one where there is no working directory
+    to find it in (removed, as a release directory a deploy replaced)."""
     if _bare(text).startswith("~"):
         raise ValueError(UNEXPANDED_HOME)
-    return Path(text)
+    path = Path(text)
+    if working_directory_gone(path):
+        raise ValueError(WORKING_DIRECTORY_GONE)
+    return path
 
 
 def _bare(text: str) -> str:

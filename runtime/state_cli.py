@@ -121,7 +121,14 @@ def _bare_path(text: str, given_as: str) -> Path:
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
-    return _flag_path(args.state_dir, "--state-dir") or _env_path("AGENT_STATE_DIR") or Path(DEFAULT_STATE_DIR)
+    return _flag_path(args.state_dir, "--state-dir") or _env_path("AGENT_STATE_DIR") or _default_state_dir()
+
+
+def _default_state_dir() -> Path:
+    try:
+        return directory_given(DEFAULT_STATE_DIR)
+    except ValueError as exc:  # in the words of check
+        raise _UsageError(f"AGENT_STATE_DIR={DEFAULT_STATE_DIR!r} (the default: it is not set) is not valid: {exc}") from None
 
 
 def _backup_root(args: argparse.Namespace, state_dir: Path) -> Path:
