@@ -16,7 +16,7 @@ import ipaddress
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
@@ -432,15 +432,36 @@ class Config:
 
 
 def unknown_settings(env: Mapping[str, str]) -> list[str]:
+    """The problems of variables meant as settings of Keel's that are none: in the wrong case
+    (`agent_state_dir`), or misspelt (`AGENT_STATE_DRI`). Ignored, they would leave their setting
+    at its default: a state directory of `.state` in the current directory, say."""
+    return [f"{name} is not a setting Keel knows; did you mean {meant}?" for name, meant in _not_settings(env) if meant]
+
+
+def foreign_settings(env: Mapping[str, str]) -> list[str]:
+    """The AGENT_* variables like no setting of Keel's: another program's (Azure Pipelines sets
+    AGENT_OS, AGENT_NAME and more in every job), ignored, and said to be (``check``, ``serve``)."""
+    return [name for name, meant in _not_settings(env) if not meant]
+
+
+def _not_settings(env: Mapping[str, str]) -> Iterator[tuple[str, str]]:
+    """Each variable named as a setting would be that is none, with the setting it is most like
+    ("" if none)."""
     known = {s.env for s in SETTINGS} | EXTRA_KNOWN
-    problems = []
+    meant_by = {name.removeprefix(SETTING_PREFIX): name for name in known}
     for name in sorted(env):
-        # One in the wrong case (`agent_state_dir`) would be ignored as surely as a misspelt one.
-        if name not in known and (name.startswith("AGENT_") or name.upper() in known):
-            close = difflib.get_close_matches(name.upper(), sorted(known), n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; the settings are: {', '.join(sorted(known))}"
-            problems.append(f"{name} is not a setting Keel knows{hint}")
-    return problems
+        if name in known:
+            continue
+        if name.upper() in known:
+            yield name, name.upper()
+        elif name.startswith(SETTING_PREFIX):
+            # Like a setting's name after the prefix they share: the prefix alone makes every
+            # AGENT_* look like one.
+            close = difflib.get_close_matches(name.removeprefix(SETTING_PREFIX), meant_by, n=1, cutoff=0.7)
+            yield name, meant_by[close[0]] if close else ""
+
+
+SETTING_PREFIX = "AGENT_"
 
 
 BACKUP_ROOT_ENV = "AGENT_BACKUP_ROOT"  # read by `state snapshot`, shown and checked by `check`

@@ -21,7 +21,16 @@ import attrs
 import trio
 
 from persistence.errors import StoreError
-from runtime.config import BACKUP_ROOT_ENV, SETTINGS, Config, ConfigError, backup_root, os_error_text, preflight
+from runtime.config import (
+    BACKUP_ROOT_ENV,
+    SETTINGS,
+    Config,
+    ConfigError,
+    backup_root,
+    foreign_settings,
+    os_error_text,
+    preflight,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -114,6 +123,7 @@ def _check(args: argparse.Namespace) -> int:
         lines.append(f"{setting.env}={shown}")
     lines.append(f"{BACKUP_ROOT_ENV}={backups}")
     lines.extend(f"note: {line} (take a state snapshot first to keep a way back)" for line in older)
+    lines.extend(f"note: {name} is not a setting Keel knows, nor like one: it is ignored" for name in foreign_settings(os.environ))
     try:
         print("\n".join([*lines, "configuration ok"]), flush=True)
     except OSError as exc:  # a full disk, a reader that has gone
@@ -142,6 +152,8 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     for chatty in ("httpx", "httpcore"):  # a line per model request is noise, and costs CPU
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    if foreign := foreign_settings(os.environ):
+        logging.getLogger(__name__).warning("ignoring %s: not settings Keel knows, nor like one", ", ".join(foreign))
     _take_file_limit()
     failures: list[BaseException] = []
     try:

@@ -918,3 +918,12 @@ async def test_a_server_out_of_file_descriptors_says_so_in_one_line_and_serves_a
     output = keel.output.decode()
     assert output.count("cannot accept connections") == 1, output
     assert "as many files open as its limit allows (64: ulimit -n)" in output and "Traceback" not in output
+
+
+async def test_serve_in_an_azure_pipelines_job_starts_and_logs_the_agent_variables_it_ignores(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # Azure Pipelines sets AGENT_OS, AGENT_NAME and more in every job: they are no typo of a setting.
+    command = ["env", "AGENT_OS=Linux", "AGENT_NAME=Hosted Agent", *serve_command(tmp_path / "state", fake_model.base_url)]
+    async with started_keel(command) as keel:
+        assert b"ignoring AGENT_NAME, AGENT_OS: not settings Keel knows, nor like one" in keel.output

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from runtime.agents import app_version
-from runtime.config import Config, ConfigError, without_credentials
+from runtime.config import Config, ConfigError, foreign_settings, without_credentials
 
 
 def test_config_defaults_match_a_local_ollama() -> None:
@@ -523,3 +523,26 @@ def test_check_whose_output_cannot_be_written_says_so_without_a_traceback(tmp_pa
         )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr == "error: the settings could not be written: No space left on device\n"
+
+
+# What Azure Pipelines sets in every job's environment: a server run there (say, for a job's tests)
+# was refused for variables that are no one's typo of a setting of Keel's.
+AZURE_PIPELINES = {"AGENT_OS": "Linux", "AGENT_NAME": "Hosted Agent", "AGENT_TEMPDIRECTORY": "/agent/_temp", "AGENT_ID": "9"}
+
+
+def test_agent_variables_like_no_setting_are_ignored_and_said_to_be_while_a_misspelt_one_is_refused() -> None:
+    assert Config.load(AZURE_PIPELINES) == Config()
+    assert foreign_settings({**AZURE_PIPELINES, "AGENT_MODEL": "llama3", "PATH": "/bin"}) == sorted(AZURE_PIPELINES)
+    with pytest.raises(ConfigError) as caught:
+        Config.load({**AZURE_PIPELINES, "AGENT_STATE_DRI": "/srv/keel", "AGENT_MODEL_BASEURL": "http://models/v1"})
+    assert caught.value.problems == [
+        "AGENT_MODEL_BASEURL is not a setting Keel knows; did you mean AGENT_MODEL_BASE_URL?",
+        "AGENT_STATE_DRI is not a setting Keel knows; did you mean AGENT_STATE_DIR?",
+    ]
+
+
+def test_check_notes_the_agent_variables_it_ignores(tmp_path: Path) -> None:
+    result = run_cli("check", "--port", "0", "--state-dir", str(tmp_path / "state"), env=AZURE_PIPELINES)
+    assert result.returncode == 0, result.stderr
+    for name in AZURE_PIPELINES:
+        assert f"note: {name} is not a setting Keel knows, nor like one: it is ignored\n" in result.stdout
