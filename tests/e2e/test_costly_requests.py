@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from fake_model import FakeModel, Reply
 from persistence.tasks import open_task_store
@@ -66,14 +67,17 @@ async def test_a_list_of_tasks_with_long_histories_holds_a_bounded_page_in_memor
 
 
 
-async def test_data_parts_of_many_small_values_are_refused_before_a_run_holds_them(tmp_path: Path, fake_model: FakeModel) -> None:
-    # 250,000 empty objects are 1 MiB as sent, and about 20 MiB held by each run that has them.
+@pytest.mark.parametrize("held_in", ["data parts", "metadata"])
+async def test_many_small_values_are_refused_before_a_run_holds_them(tmp_path: Path, fake_model: FakeModel, held_in: str) -> None:
+    # 250,000 empty objects are 1 MiB as sent, and about 20 MiB held by each run that has them: in
+    # its data parts, or in its metadata, which its task's history keeps as well.
     fake_model.default = Reply(text="never done", hang_after_chunks=1)  # runs that stay in memory
     wide: list[dict[str, object]] = [{} for _ in range(250_000)]
+    holding = {"parts": [{"data": wide}]} if held_in == "data parts" else {"metadata": {"hosts": wide}}
     async with httpx.AsyncClient(timeout=30) as client, keel_process(tmp_path / "state", fake_model.base_url) as keel:
         before = peak_rss_bytes(keel)
         for _ in range(8):
-            message = {**user_message("x"), "parts": [{"data": wide}]}
+            message = {**user_message("x"), **holding}
             sent = await rpc(client, keel.url, "SendMessage", {"message": message, "configuration": {"returnImmediately": True}})
             assert sent.get("error", {}).get("code") == -32602, str(sent)[:300]
             assert f"more than {MAX_DATA_VALUES} JSON values" in sent["error"]["message"], sent
@@ -82,18 +86,3 @@ async def test_data_parts_of_many_small_values_are_refused_before_a_run_holds_th
         message = {**user_message("x"), "parts": [{"data": [{} for _ in range(MAX_DATA_VALUES - 1)]}]}
         sent = await rpc(client, keel.url, "SendMessage", {"message": message, "configuration": {"returnImmediately": True}})
         assert sent["result"]["task"]["status"]["state"] == "TASK_STATE_SUBMITTED"  # the list and its objects: the limit
-
-
-async def test_metadata_of_many_small_values_is_refused_before_a_run_holds_it(tmp_path: Path, fake_model: FakeModel) -> None:
-    # A message's metadata is kept in its task's history while the task runs, as its data parts are.
-    fake_model.default = Reply(text="never done", hang_after_chunks=1)  # runs that stay in memory
-    wide: list[dict[str, object]] = [{} for _ in range(250_000)]
-    async with httpx.AsyncClient(timeout=30) as client, keel_process(tmp_path / "state", fake_model.base_url) as keel:
-        before = peak_rss_bytes(keel)
-        for _ in range(8):
-            message = {**user_message("x"), "metadata": {"hosts": wide}}
-            sent = await rpc(client, keel.url, "SendMessage", {"message": message, "configuration": {"returnImmediately": True}})
-            assert sent.get("error", {}).get("code") == -32602, str(sent)[:300]
-            assert f"more than {MAX_DATA_VALUES} JSON values" in sent["error"]["message"], sent
-        grown = peak_rss_bytes(keel) - before
-        assert grown < 64 * MIB, f"the refused messages took {grown / MIB:.0f} MiB"

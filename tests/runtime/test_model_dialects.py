@@ -209,6 +209,18 @@ async def test_a_connection_that_breaks_while_the_model_reasons_fails_saying_so(
     assert len(fake_model.bodies) == 1
 
 
+async def stopped_reasoning(fake_model: FakeModel) -> tuple[ModelReasoningRunaway, list[Any]]:
+    """What the model client raised as the model's scripted reasoning ran away, and what it had streamed till then."""
+    received: list[Any] = []
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            with pytest.raises(ModelReasoningRunaway) as raised:
+                async with client.stream(ASK) as chunks:
+                    async for delta in chunks:
+                        received.append(delta)
+    return raised.value, received
+
+
 @pytest.mark.parametrize("dialect", REASONING_REPLIES)
 async def test_a_model_that_would_not_stop_reasoning_is_stopped_saying_so_in_any_dialect(
     fake_model: FakeModel, dialect: str
@@ -222,14 +234,8 @@ async def test_a_model_that_would_not_stop_reasoning_is_stopped_saying_so_in_any
     else:  # a block opening the content
         reply = attrs.evolve(reply, text=reply.text.replace(REASONING, looping))
     fake_model.script = [attrs.evolve(reply, chunk_chars=1 << 16)]
-    received: list[Any] = []
-    with trio.fail_after(DEADLINE_S):
-        async with open_model_client(config_for(fake_model)) as client:
-            with pytest.raises(ModelReasoningRunaway) as raised:
-                async with client.stream(ASK) as chunks:
-                    async for delta in chunks:
-                        received.append(delta)
-    assert str(raised.value) == (
+    raised, received = await stopped_reasoning(fake_model)
+    assert str(raised) == (
         f"model 'qwen3:4b-instruct' would not stop reasoning: it reasoned for more than {MAX_REASONING_CHARS} characters"
         " and had not started its answer; ask again, or for less in one message"
     )
@@ -244,14 +250,8 @@ async def test_a_model_that_goes_back_to_reasoning_once_its_answer_began_and_wou
     # it held its task WORKING for as long as the model went round.
     looping = "I must check the lease again. " * (MAX_REASONING_CHARS // 30 + 100)
     fake_model.script = [Reply(text="Let me think.", reasoning_after=looping, reasoning_field=field, chunk_chars=1 << 16)]
-    received: list[Any] = []
-    with trio.fail_after(DEADLINE_S):
-        async with open_model_client(config_for(fake_model)) as client:
-            with pytest.raises(ModelReasoningRunaway) as raised:
-                async with client.stream(ASK) as chunks:
-                    async for delta in chunks:
-                        received.append(delta)
-    assert str(raised.value) == (
+    raised, received = await stopped_reasoning(fake_model)
+    assert str(raised) == (
         f"model 'qwen3:4b-instruct' would not stop reasoning: it reasoned for more than {MAX_REASONING_CHARS} characters"
         " in one answer; ask again, or for less in one message"
     )
