@@ -39,7 +39,8 @@ def port_unusable(parts: SplitResult) -> bool:
 
 MISPLACED_AT = (
     "it holds an '@' after its host: credentials holding '/', '?' or '#' must be percent-encoded"
-    " (%2F, %3F, %23) to be read as credentials rather than as the host and path"
+    " (%2F, %3F, %23) to be read as credentials rather than as the host and path; an '@' meant in the path is"
+    " written %40"
 )
 
 

@@ -546,3 +546,13 @@ def test_check_notes_the_agent_variables_it_ignores(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     for name in AZURE_PIPELINES:
         assert f"note: {name} is not a setting Keel knows, nor like one: it is ignored\n" in result.stdout
+
+
+def test_an_at_sign_in_a_public_urls_path_is_refused_saying_how_to_write_it() -> None:
+    # A password holding a '/' puts the end of the credentials in the path: the '@' there is read
+    # as one, and the operator who meant it in the path is told how to write it.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_PUBLIC_URL": "https://agents.example/@team/keel"})
+    [problem] = caught.value.problems
+    assert "an '@' meant in the path is written %40" in problem
+    assert Config.load({"AGENT_PUBLIC_URL": "https://agents.example/%40team/keel"}).public_url == "https://agents.example/%40team/keel"
