@@ -444,6 +444,11 @@ def foreign_settings(env: Mapping[str, str]) -> list[str]:
     return [name for name, meant in _not_settings(env) if not meant]
 
 
+def ignored(name: str) -> str:
+    """What ``check`` and the state commands note of a variable ``foreign_settings`` gives."""
+    return f"{name} is not a setting Keel knows, nor like one: it is ignored"
+
+
 def _not_settings(env: Mapping[str, str]) -> Iterator[tuple[str, str]]:
     """Each variable named as a setting would be that is none, with the setting it is most like
     ("" if none)."""

@@ -28,6 +28,7 @@ from runtime.config import (
     ConfigError,
     backup_root,
     foreign_settings,
+    ignored,
     os_error_text,
     preflight,
 )
@@ -123,7 +124,7 @@ def _check(args: argparse.Namespace) -> int:
         lines.append(f"{setting.env}={shown}")
     lines.append(f"{BACKUP_ROOT_ENV}={backups}")
     lines.extend(f"note: {line} (take a state snapshot first to keep a way back)" for line in older)
-    lines.extend(f"note: {name} is not a setting Keel knows, nor like one: it is ignored" for name in foreign_settings(os.environ))
+    lines.extend(f"note: {ignored(name)}" for name in foreign_settings(os.environ))
     try:
         print("\n".join([*lines, "configuration ok"]), flush=True)
     except OSError as exc:  # a full disk, a reader that has gone

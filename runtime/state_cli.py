@@ -19,7 +19,16 @@ from persistence.restore import reset_state, restore_snapshot
 from persistence.snapshot import create_snapshot
 from persistence.statedir import StateError, UnusableStateDir, is_db_name, try_state_dir
 from runtime.agents import app_version
-from runtime.config import BACKUP_ROOT_ENV, ConfigError, directory_given, default_backup_root, os_error_text, unknown_settings
+from runtime.config import (
+    BACKUP_ROOT_ENV,
+    ConfigError,
+    default_backup_root,
+    directory_given,
+    foreign_settings,
+    ignored,
+    os_error_text,
+    unknown_settings,
+)
 
 DEFAULT_STATE_DIR = ".state"
 DEFAULT_KEEP = 7
@@ -140,6 +149,8 @@ def _guarded(command: Command) -> Command:
         if unknown := unknown_settings(os.environ):
             print(f"error: {ConfigError(unknown)}", file=sys.stderr)
             return 1
+        for name in foreign_settings(os.environ):
+            print(f"note: {ignored(name)}", file=sys.stderr)
         try:
             return command(args)
         except (StateError, _UsageError) as exc:

@@ -556,3 +556,11 @@ def test_an_at_sign_in_a_public_urls_path_is_refused_saying_how_to_write_it() ->
     [problem] = caught.value.problems
     assert "an '@' meant in the path is written %40" in problem
     assert Config.load({"AGENT_PUBLIC_URL": "https://agents.example/%40team/keel"}).public_url == "https://agents.example/%40team/keel"
+
+
+def test_a_state_command_notes_the_agent_variables_it_ignores_and_goes_on(tmp_path: Path) -> None:
+    (tmp_path / "state").mkdir()
+    result = run_cli("state", "recover", "--state-dir", str(tmp_path / "state"), env=AZURE_PIPELINES)
+    assert result.returncode == 0, result.stderr
+    for name in AZURE_PIPELINES:
+        assert f"note: {name} is not a setting Keel knows, nor like one: it is ignored\n" in result.stderr
