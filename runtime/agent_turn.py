@@ -93,7 +93,7 @@ class TurnTaker:
                     self._say_failed(task, exc)
                     if isinstance(exc, (BudgetExhausted, MaxStepsReached)):  # the model was still calling tools
                         live.drop_answer()
-                    return settle(TaskState.FAILED, f"The task failed: {exc}")
+                    return settle(TaskState.FAILED, _failed(exc))
         return completed(live, result.output)
 
     def _say_failed(self, task: Task, exc: AgentError | ModelError) -> None:
@@ -108,6 +108,14 @@ class TurnTaker:
             logger.info("%s", about)
         else:  # a store failure: what it said is for the log alone
             logger.warning("%s, from %r", about, exc.__cause__)
+
+
+def _failed(exc: AgentError | ModelError) -> str:
+    """What a turn that failed tells its client: why, and, when its model server failed in a way
+    that may pass (down, overloaded, failing one answer), that the message may be sent again."""
+    if isinstance(exc, ModelError) and exc.may_pass:
+        return f"The task failed: {exc}; this may pass: send the message again, with a new messageId, in a little while"
+    return f"The task failed: {exc}"
 
 
 async def orphan_outcome(sessions: SessionStore, task: Task, live: LiveTask) -> Outcome:

@@ -11,8 +11,9 @@ AgentError
 ├── SaveFailed        the session could not be written or its steers taken
 └── RunFinished       a steer for a run that has ended
 
-Their messages are safe to show an A2A client: they name the session and the limit, never a
-store's own words (which may hold file paths); those stay in ``__cause__`` for the logs.
+Their messages are safe to show an A2A client: they name the session (as A2A calls it, the
+context) and the limit, never a store's own words (which may hold file paths); those stay in
+``__cause__`` for the logs.
 """
 
 from __future__ import annotations
@@ -85,8 +86,13 @@ class SaveFailed(AgentError):
 
     def __init__(self, session_id: str, what: str, *, before_model: bool = True) -> None:
         self.session_id = session_id
-        outcome = "so the run stopped before calling the model" if before_model else "so the end of the run is not stored"
-        super().__init__(f"{what} for session {session_id!r} failed, {outcome}")
+        # Said to the client of the task that fails with it: its context is the session, and the
+        # task's end, which it reads, is stored all the same.
+        outcome = "so the run stopped before calling the model" if before_model else "so the conversation does not hold it"
+        super().__init__(
+            f"{what} for context {session_id!r} failed, {outcome}; "
+            "send the message again, with a new messageId, once the server's storage is back"
+        )
 
 
 class RunFinished(AgentError):

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from persistence.transcript import Message, ToolCall
-from runtime.models.errors import ModelBadResponse, ModelReasoningRunaway
+from runtime.models.errors import ModelBadResponse, ModelReasoningRunaway, ModelUnavailable
 from runtime.models.reasoning import ThinkFilter
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
 from runtime.models.wire import (
@@ -34,8 +34,8 @@ class StreamAssembler:
     """Feed it the lines of the response body; it returns the deltas each line completes.
 
     ``done`` turns true at ``data: [DONE]``. Raises ModelBadResponse for a chunk that is not a chat
-    completion chunk, for an error the server reports in the stream, and for a stream that ends
-    before the model finished.
+    completion chunk and for a stream that ends before the model finished; ModelUnavailable for an
+    error the server reports in the stream.
     """
 
     model: str
@@ -189,9 +189,10 @@ class StreamAssembler:
             self._usage = usage
         return deltas
 
-    def _reported(self, said: str) -> ModelBadResponse:
-        """The error for a failure the server reported in the stream; what it said is the log's."""
-        return ModelBadResponse(self.model, "the server reported an error in the middle of the answer", detail=said[:SAID_CHARS])
+    def _reported(self, said: str) -> ModelUnavailable:
+        """The error for a failure the server reported in the stream (the server failing, as an
+        HTTP 5xx says, not an answer that cannot be read); what it said is the log's."""
+        return ModelUnavailable(self.model, "the server reported an error in the middle of the answer", detail=said[:SAID_CHARS])
 
     def _on_choice(self, choice: dict[str, Any]) -> list[Delta]:
         deltas: list[Delta] = []

@@ -1,7 +1,8 @@
 """The model client's errors. Each names the model it is about.
 
 ModelError
-├── ModelUnavailable   the server could not be reached, the connection broke, or it kept answering 5xx
+├── ModelUnavailable   the server could not be reached, the connection broke, it kept answering 5xx, or it
+│                      reported an error in the middle of its answer
 ├── ModelRateLimited   the server kept answering HTTP 429
 ├── ModelTimeout       nothing arrived within the connect or read timeout
 ├── ModelRejected      the server refused this request (HTTP 4xx other than 429): bad request, key, model
@@ -37,10 +38,14 @@ class ModelError(Exception):
     text, so log it but never send it to a client), ``status`` (the HTTP status, when there was
     one), ``attempts`` (how many requests were sent) and ``retryable`` (whether the client would
     have tried again, given attempts left: the server could not be reached, was overloaded or
-    rate limiting; a caller that can wait longer than its retries may try again later).
+    rate limiting; a caller that can wait longer than its retries may try again later) and
+    ``may_pass`` (whether what failed is the server's state of the moment, down, overloaded or
+    failing one answer, so that the same request sent later may be answered: not a refusal, an
+    answer that cannot be read, or a setting to change).
     """
 
     retryable = False  # set by runtime.models.failures, which decides it
+    may_pass = False
 
     def __init__(
         self, model: str, headline: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1
@@ -58,11 +63,17 @@ def _after(attempts: int) -> str:
 
 
 class ModelUnavailable(ModelError):
-    def __init__(self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
+    def __init__(
+        self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1, may_pass: bool = True
+    ) -> None:
+        """``may_pass``: false where a setting is to change (TLS, say), not the server's state."""
         super().__init__(model, "is unavailable", reason, detail=detail, status=status, attempts=attempts)
+        self.may_pass = may_pass
 
 
 class ModelRateLimited(ModelError):
+    may_pass = True
+
     def __init__(self, model: str, *, retry_after_s: float | None = None, detail: str = "", attempts: int = 1) -> None:
         wait = f"; it asked to wait {retry_after_s:g}s before trying again" if retry_after_s is not None else ""
         reason = f"the server answered HTTP 429{wait}"
@@ -71,6 +82,8 @@ class ModelRateLimited(ModelError):
 
 
 class ModelTimeout(ModelError):
+    may_pass = True
+
     def __init__(self, model: str, waiting_for: str, timeout_s: float, *, detail: str = "", attempts: int = 1) -> None:
         reason = f"nothing arrived within {timeout_s:g}s while waiting for {waiting_for}"
         super().__init__(model, "timed out", reason, detail=detail, attempts=attempts)
@@ -103,7 +116,7 @@ class ModelRejected(ModelError):
 
 class ModelBadResponse(ModelError):
     def __init__(self, model: str, reason: str, *, detail: str = "", status: int | None = None, attempts: int = 1) -> None:
-        super().__init__(model, "sent an answer this client cannot read", reason, detail=detail, status=status, attempts=attempts)
+        super().__init__(model, "sent an answer that could not be read", reason, detail=detail, status=status, attempts=attempts)
 
 
 class ModelReasoningRunaway(ModelError):

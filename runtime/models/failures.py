@@ -80,13 +80,14 @@ def failure_to_send(config: ModelConfig, exc: httpx.RequestError, attempt: int, 
         return Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)
     tls = _tls_failure(exc)
     if tls is not None:  # a matter of settings or certificates: trying again changes nothing
-        return Failure(ModelUnavailable(model, tls, detail=detail, attempts=attempt), retry=False)
+        return Failure(ModelUnavailable(model, tls, detail=detail, attempts=attempt, may_pass=False), retry=False)
     if isinstance(exc, httpx.ConnectError):
         return Failure(ModelUnavailable(model, "the model server cannot be reached", detail=detail, attempts=attempt), retry=True)
     if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
         reason = "the connection broke before the answer started"
         return Failure(ModelUnavailable(model, reason, detail=detail, attempts=attempt), retry=True)
-    return Failure(ModelUnavailable(model, "the request could not be sent", detail=detail, attempts=attempt), retry=False)
+    unsent = ModelUnavailable(model, "the request could not be sent", detail=detail, attempts=attempt, may_pass=False)
+    return Failure(unsent, retry=False)
 
 
 def failure_of_status(config: ModelConfig, response: httpx.Response, detail: str, attempt: int) -> Failure:

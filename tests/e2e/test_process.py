@@ -653,7 +653,8 @@ async def test_a_model_that_times_out_fails_the_task_saying_whether_any_of_the_a
                 said.append(task["status"]["message"]["parts"][0]["text"])
             assert await keel.terminate() == 0
     timed_out = "The task failed: model 'qwen3:4b-instruct' timed out: nothing arrived within 0.5s while waiting for"
-    assert said == [f"{timed_out} the answer to start", f"{timed_out} the rest of the answer"]
+    again = "; this may pass: send the message again, with a new messageId, in a little while"
+    assert said == [f"{timed_out} the answer to start{again}", f"{timed_out} the rest of the answer{again}"]
 
 
 def blocked_on_a_lock(pid: int) -> bool:

@@ -166,7 +166,7 @@ async def test_a_store_that_cannot_be_written_stops_the_run_before_the_model_is_
                 await store.aclose()
             else:
                 refuse_writes_of_events(path)
-            with pytest.raises(SaveFailed, match=f"session '{SESSION}' failed, so the run stopped before calling the model"):
+            with pytest.raises(SaveFailed, match=f"context '{SESSION}' failed, so the run stopped before calling the model"):
                 await run_turn(fake_model, AgentSpec(), question(), session=Session.open(SESSION, store))
     assert fake_model.bodies == []
 
@@ -184,7 +184,7 @@ async def test_a_store_that_fails_between_steps_stops_the_run_before_the_next_re
     fake_model.default = Reply(text="An answer nobody should have asked for.")
     with trio.fail_after(DEADLINE_S):
         async with open_session_store(path) as store:
-            with pytest.raises(SaveFailed, match=f"saving the transcript for session '{SESSION}' failed") as caught:
+            with pytest.raises(SaveFailed, match=f"saving the transcript for context '{SESSION}' failed") as caught:
                 spec = AgentSpec(tools=[make_tool("break_the_disk", break_the_disk)])
                 await run_turn(fake_model, spec, question(), session=Session.open(SESSION, store))
             assert "disk is full" in str(caught.value.__cause__)  # the store's words, kept for the logs
@@ -310,7 +310,10 @@ async def test_a_store_that_fails_as_the_answer_is_saved_says_the_end_of_the_run
                 )  # fmt: skip
         assert await stored_messages(path, SESSION) == question()
     # Not "stopped before calling the model": the model had answered; its answer is what is lost.
-    assert str(caught.value) == f"saving the answer for session '{SESSION}' failed, so the end of the run is not stored"
+    assert str(caught.value) == (
+        f"saving the answer for context '{SESSION}' failed, so the conversation does not hold it; "
+        "send the message again, with a new messageId, once the server's storage is back"
+    )
     assert len(fake_model.bodies) == 1
 
 

@@ -17,7 +17,7 @@ from persistence.session import Session
 from persistence.sessions import open_session_store
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentSpec
-from runtime.models import ModelBadResponse, ModelReasoningRunaway, ModelUnavailable, TextDelta, open_model_client
+from runtime.models import ModelReasoningRunaway, ModelUnavailable, TextDelta, open_model_client
 from runtime.models.assembly import StreamAssembler
 from runtime.models.client import MAX_REASONING_CHARS
 from tests.runtime.agent_support import lookup_tool, question, run_turn, sent_messages, stored_messages
@@ -44,7 +44,7 @@ async def test_an_error_reported_mid_stream_in_another_shape_fails_the_answer_ra
     with trio.fail_after(DEADLINE_S):
         async with open_model_client(config_for(fake_model, max_retries=0)) as client:
             async with client.stream(ASK) as chunks:
-                with pytest.raises(ModelBadResponse) as raised:
+                with pytest.raises(ModelUnavailable) as raised:
                     async for _ in chunks:
                         pass
                 partial = chunks.partial_message()
@@ -61,7 +61,7 @@ async def test_a_turn_whose_server_reports_an_error_mid_answer_fails_and_keeps_t
     fake_model.script = [Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3)]
     with trio.fail_after(DEADLINE_S):
         async with open_session_store(path) as store:
-            with pytest.raises(ModelBadResponse, match="reported an error in the middle of the answer"):
+            with pytest.raises(ModelUnavailable, match="reported an error in the middle of the answer"):
                 await run_turn(fake_model, AgentSpec(), question(), session=Session.open("incident-7", store))
         stored = await stored_messages(path, "incident-7")
     assert stored == [*question(), Message(role="assistant", text="The lease ", partial=True)]
