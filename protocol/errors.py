@@ -133,8 +133,8 @@ END_NOT_STORED = (
     "(the server log has the details)"
 )
 END_LEFT_FOR_NEXT = (
-    "the server is shutting down with its final state not stored; the next server to start on the same state resumes "
-    "the task, so poll GetTask once it is up (the server log has the details)"
+    "the server is shutting down with its final state not stored; the next server to start on the same state takes "
+    "the task up again, so poll GetTask once it is up (the server log has the details)"
 )
 
 

@@ -105,7 +105,7 @@ class Reads:
             send.send_nowait(task)
             if not task.status.state.ends_stream:  # not settled, and not run here
                 why = (
-                    "no run of it is in this server (it was left for the next server to resume), and a stream"
+                    "no run of it is in this server (it was left for the next server to take up), and a stream"
                     " follows only the runs of the server serving it; poll GetTask to see it end"
                 )
                 send.send_nowait(StreamCut(task_id, why))

@@ -603,7 +603,7 @@ async def test_a_stream_whose_task_end_cannot_be_stored_as_the_server_stops_says
             last = (await events.rest())[-1]
     said = last["error"]["message"]
     assert last["error"]["code"] == -32603 and task_id in said
-    assert "keeps trying" not in said and "the server is shutting down" in said and "resumes the task" in said
+    assert "keeps trying" not in said and "the server is shutting down" in said and "takes the task up again" in said
     assert [str(error) for error in told] == [
         said.replace(f"the event stream of task {task_id!r} ended before the task did: ", f"task {task_id!r} ended, but ")
     ]
