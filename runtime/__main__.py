@@ -71,21 +71,21 @@ STDOUT_ERRORS = "keel.stdout"
 codecs.register_error(STDOUT_ERRORS, _as_the_file_system_spells_it)
 
 
-def _spell_what_stdout_cannot() -> str | None:
-    """Have stdout write what its encoding cannot (a state directory's name that is not UTF-8,
-    under PYTHONIOENCODING=utf-8 or a UTF-8 locale; an accent under ASCII), rather than fail the
-    command with a traceback as it prints the path, or the line saying where serve serves. The
-    errors it had, for ``main`` to put back; None where it already writes every name."""
+def _spell_what_stdout_cannot() -> bool:
+    """Have a strict stdout write what its encoding cannot (a state directory's name that is not
+    UTF-8, under PYTHONIOENCODING=utf-8 or a UTF-8 locale; an accent under ASCII), rather than fail
+    the command with a traceback as it prints the path, or the line saying where serve serves.
+    Whether it did, for ``main`` to make it strict again."""
     if not isinstance(sys.stdout, io.TextIOWrapper) or sys.stdout.errors != "strict":
-        return None
+        return False
     sys.stdout.reconfigure(errors=STDOUT_ERRORS)
-    return "strict"
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
     handlers = {signum: signal.getsignal(signum) for signum in HELD_SIGNALS}
-    stdout_errors = _spell_what_stdout_cannot()
+    spelling = _spell_what_stdout_cannot()
     try:
         started_as = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         # The installed ``keel`` command names itself so; ``python -m runtime`` runs __main__.py.
@@ -108,8 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if handler is not None and signal.getsignal(signum) != handler:
                 signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if stdout_errors is not None and isinstance(sys.stdout, io.TextIOWrapper):
-            sys.stdout.reconfigure(errors=stdout_errors)
+        if spelling and isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(errors="strict")
 
 
 if __name__ == "__main__":

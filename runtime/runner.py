@@ -445,8 +445,9 @@ class Runner:
             except (store_errors.StoreError, TimeoutError, TaskNotFound) as exc:
                 if self._stopping.is_set():  # not tried again: said so, to the log and to whoever waits
                     logger.warning(
-                        "task %s: its final state is not stored; the next process to start takes it up (AGENT_ORPHANS): %s", live.task.id, exc
-                    )
+                        "task %s: its final state is not stored; the next process to start takes it up (AGENT_ORPHANS): %s",
+                        live.task.id, exc,
+                    )  # fmt: skip
                     live.close(end_stored=False, why=END_LEFT_FOR_NEXT)
                     return False
                 if live.end_stored:  # the first failure: said once, to the log and to whoever waits
