@@ -317,8 +317,9 @@ def _announce(line: str) -> None:
     if sys.stdout is None:  # started with it closed (`serve >&-`): print would drop the line unsaid
         logging.getLogger(__name__).warning(cannot, "it is closed", line)
         return
-    try:
-        print(line, flush=True)
+    try:  # in one write: under PYTHONUNBUFFERED, print's line and its end go out apart, a log line between
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
     except OSError as exc:
         logging.getLogger(__name__).warning(cannot, os_error_text(exc), line)
         _drop_stdout()

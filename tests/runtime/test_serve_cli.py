@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import io
 import logging
 import os
 import re
@@ -14,14 +15,18 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, cast
 
 import pytest
 import trio
 
 from runtime.config import Config
-from runtime.serve_cli import GC_YOUNG_THRESHOLD, _tune_collector
+from runtime.serve_cli import GC_YOUNG_THRESHOLD, _announce, _tune_collector
 from runtime.server import _http_config
 from tests.e2e.harness import AS_FROM_A_TERMINAL
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 
 def test_the_server_freezes_what_it_made_to_start_and_collects_the_young_less_often() -> None:
@@ -260,3 +265,26 @@ def test_a_flag_given_only_in_part_is_refused_not_taken_for_the_flag_it_begins(t
     assert result.returncode == 2, result.stderr
     assert f"error: unrecognized arguments: {command[-2]}" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+class _Writes(io.RawIOBase):
+    """A stream that keeps each write it is given apart, as a pipe shared with the log's thread does."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: ReadableBuffer) -> int:
+        self.writes.append(bytes(data))
+        return len(self.writes[-1])
+
+
+def test_the_serving_line_reaches_an_unbuffered_stdout_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With PYTHONUNBUFFERED (usual under service managers and containers) each write goes out at
+    # once; the line and its end written apart let a log line from another thread fall between them.
+    raw = _Writes()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(cast(BinaryIO, raw), encoding="utf-8", write_through=True))
+    _announce("keel serving A2A at http://127.0.0.1:8080/")
+    assert raw.writes == [b"keel serving A2A at http://127.0.0.1:8080/\n"]
