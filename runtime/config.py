@@ -317,6 +317,34 @@ def _api_key(text: str) -> str:
     return text
 
 
+MAX_KEY_FILE_BYTES = 64 << 10  # far past any key; a file larger is not a key file
+
+
+def _key_file(text: str) -> Path:
+    return Path(_bare(text))
+
+
+def read_key_file(path: Path) -> str:
+    """The key a key file holds (a Docker or Kubernetes secret, a systemd credential): its text,
+    less the one line end that ``echo`` or an editor leaves after it. What is wrong with the key
+    is said without showing it. Blocking; read once, as serve starts."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"it cannot be read ({os_error_text(exc)})") from None
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"it holds more than {MAX_KEY_FILE_BYTES >> 10} KiB; a key file holds the key alone")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise ValueError("it holds bytes that are not UTF-8 text; a key file holds the key alone, as text") from None
+    key = text.removesuffix("\n").removesuffix("\r")
+    if not key.strip():
+        raise ValueError("it holds no key; write the key in it")
+    return _api_key(key)
+
+
 def _orphans(text: str) -> str:
     if text not in ORPHAN_POLICIES:
         raise ValueError(f"it must be one of: {', '.join(ORPHAN_POLICIES)}")
@@ -338,6 +366,10 @@ SETTINGS: tuple[Setting, ...] = (
         show=without_credentials,
     ),  # fmt: skip
     Setting("model_api_key", "AGENT_MODEL_API_KEY", _api_key, None, "bearer token for the model API", secret=True),
+    Setting(
+        "model_api_key_file", "AGENT_MODEL_API_KEY_FILE", _key_file, "--model-api-key-file",
+        "a file holding the bearer token for the model API in place of AGENT_MODEL_API_KEY (read as serve starts)",
+    ),  # fmt: skip
     Setting("drain_timeout_s", "AGENT_DRAIN_TIMEOUT_S", _positive_float, "--drain-timeout-s", "how long runs may finish after SIGTERM or SIGINT"),
     Setting("max_model_calls", "AGENT_MAX_MODEL_CALLS", _positive_int, "--max-model-calls", "model calls one turn may make"),
     Setting(
@@ -368,6 +400,7 @@ class Config:
     model_base_url: str = attrs.field(default=DEFAULT_BASE_URL, repr=without_credentials)
     model: str = DEFAULT_MODEL
     model_api_key: str | None = attrs.field(default=None, repr=False)
+    model_api_key_file: Path | None = None  # where model_api_key was read from, if from a file
     drain_timeout_s: float = 10.0
     max_model_calls: int = 12
     max_model_connections: int = 100
@@ -416,14 +449,26 @@ class Config:
                 _may_listen_at(values.get("host", defaults.host), port)
             except ValueError as exc:
                 problems["port"] = f"{sources['port']}={str(port)!r} is not valid: {exc}"
+        key_file, key_from = values.get("model_api_key_file"), sources["model_api_key"]
+        if key_file is not None:
+            key_from = sources["model_api_key_file"]
+            if "model_api_key" in values or "model_api_key" in problems:
+                problems["model_api_key_file"] = (
+                    f"AGENT_MODEL_API_KEY and {key_from} are both set; give the key one way: unset one of them"
+                )
+            else:
+                try:
+                    values["model_api_key"] = read_key_file(key_file)
+                except ValueError as exc:
+                    problems["model_api_key_file"] = f"{key_from}={str(key_file)!r} is not valid: {exc}"
         found = list(problems.values())
         url = values.get("model_base_url")
         if url is not None and values.get("model_api_key") is not None and any(url_credentials(url)):
             # httpx would send them as HTTP Basic auth, and the key would never be sent.
             found.append(
-                f"{sources['model_base_url']}={without_credentials(url)!r} is not valid with AGENT_MODEL_API_KEY set: it"
+                f"{sources['model_base_url']}={without_credentials(url)!r} is not valid with {key_from} set: it"
                 " carries credentials (before its '@'), which would be sent in place of the key; take them out of the URL"
-                " to send the key, or unset AGENT_MODEL_API_KEY to send them (HTTP Basic auth)"
+                f" to send the key, or unset {key_from} to send them (HTTP Basic auth)"
             )
         found.extend(unknown_settings(env))
         if found:

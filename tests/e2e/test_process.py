@@ -609,7 +609,7 @@ async def test_the_model_call_budget_set_for_the_server_bounds_each_turn(tmp_pat
     ):
         sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("What time is it?")})
         await keel.terminate()
-    status = sent["result"]["task"]["status"]
+    status = sent["result"]["task"]["status"]["message"]["parts"]
     assert status["state"] == "TASK_STATE_FAILED"
     assert "made its 2 model calls" in status["message"]["parts"][0]["text"]
     assert len(fake_model.bodies) == 2
@@ -928,3 +928,19 @@ async def test_serve_in_an_azure_pipelines_job_starts_and_logs_the_agent_variabl
     command = ["env", "AGENT_OS=Linux", "AGENT_NAME=Hosted Agent", *serve_command(tmp_path / "state", fake_model.base_url)]
     async with started_keel(command) as keel:
         assert b"ignoring AGENT_NAME, AGENT_OS: not settings Keel knows, nor like one" in keel.output
+
+
+async def test_serve_sends_the_model_the_key_its_key_file_holds(tmp_path: Path, fake_model: FakeModel) -> None:
+    fake_model.api_key = "sk-from-a-secret-file"
+    fake_model.script = [Reply(text="Authorised.")]
+    key_file = tmp_path / "model-key"
+    key_file.write_text("sk-from-a-secret-file\n")  # as `echo KEY > file` or a secret store writes it
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        keel_process(tmp_path / "state", fake_model.base_url, "--model-api-key-file", str(key_file)) as keel,
+    ):
+        sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("hi")})
+        assert await keel.terminate() == 0
+    assert sent["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", sent
+    assert {item.headers["authorization"] for item in fake_model.received} == {"Bearer sk-from-a-secret-file"}
+    assert b"sk-from-a-secret-file" not in keel.output

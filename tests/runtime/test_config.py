@@ -564,3 +564,76 @@ def test_a_state_command_notes_the_agent_variables_it_ignores_and_goes_on(tmp_pa
     assert result.returncode == 0, result.stderr
     for name in AZURE_PIPELINES:
         assert f"note: {name} is not a setting Keel knows, nor like one: it is ignored\n" in result.stderr
+
+
+@pytest.mark.parametrize("written", ["sk-from-a-file", "sk-from-a-file\n", "sk-from-a-file\r\n"], ids=["bare", "lf", "crlf"])
+@pytest.mark.parametrize("by_flag", [True, False], ids=["flag", "environment"])
+def test_the_api_key_can_be_read_from_a_file_less_its_line_end(tmp_path: Path, written: str, by_flag: bool) -> None:
+    key_file = tmp_path / "model-key"
+    key_file.write_bytes(written.encode())
+    env = {} if by_flag else {"AGENT_MODEL_API_KEY_FILE": str(key_file)}
+    config = Config.load(env, {"model_api_key_file": str(key_file) if by_flag else None})
+    assert (config.model_api_key, config.model_api_key_file) == ("sk-from-a-file", key_file)
+    assert "sk-from-a-file" not in repr(config)
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"", "it holds no key; write the key in it"),
+        (b"\n", "it holds no key; write the key in it"),
+        (b"sk-one\nsk-two\n", "it holds a character an HTTP header cannot carry"),
+        (b" sk-spaced\n", "it starts or ends with white space"),
+        (b"Bearer sk-prefixed\n", "it starts with 'Bearer ', which Keel sends itself"),
+        (b"sk-\xff\xfe\n", "it holds bytes that are not UTF-8 text"),
+        (b"k" * (65 << 10), "it holds more than 64 KiB; a key file holds the key alone"),
+    ],
+    ids=["empty", "a-line-end", "two-lines", "spaced", "bearer", "binary", "huge"],
+)
+def test_a_key_file_holding_no_usable_key_is_refused_naming_the_file_not_its_content(
+    tmp_path: Path, content: bytes, said: str
+) -> None:
+    key_file = tmp_path / "model-key"
+    key_file.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MODEL_API_KEY_FILE": str(key_file)})
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"AGENT_MODEL_API_KEY_FILE='{key_file}' is not valid: {said}"), problem
+    for secret in ("sk-one", "sk-spaced", "sk-prefixed", "kkkk"):
+        assert secret not in problem
+
+
+def test_a_key_file_that_cannot_be_read_is_refused_saying_why(tmp_path: Path) -> None:
+    for path, why in ((tmp_path / "absent", "No such file or directory"), (tmp_path, "Is a directory")):
+        with pytest.raises(ConfigError) as caught:
+            Config.load({}, {"model_api_key_file": str(path)})
+        assert caught.value.problems == [f"--model-api-key-file='{path}' is not valid: it cannot be read ({path}: {why})"]
+
+
+def test_a_key_given_both_in_the_environment_and_in_a_file_is_refused(tmp_path: Path) -> None:
+    key_file = tmp_path / "model-key"
+    key_file.write_text("sk-in-the-file\n")
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MODEL_API_KEY": "sk-in-the-environment", "AGENT_MODEL_API_KEY_FILE": str(key_file)})
+    assert caught.value.problems == [
+        "AGENT_MODEL_API_KEY and AGENT_MODEL_API_KEY_FILE are both set; give the key one way: unset one of them"
+    ]
+    # A URL with credentials beside a key from a file is refused as beside one from the environment.
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MODEL_API_KEY_FILE": str(key_file), "AGENT_MODEL_BASE_URL": "http://bob:pw@127.0.0.1:8000/v1"})
+    assert "is not valid with AGENT_MODEL_API_KEY_FILE set" in str(caught.value)
+    assert "unset AGENT_MODEL_API_KEY_FILE to send them" in str(caught.value)
+
+
+def test_check_shows_the_key_file_and_never_the_key(tmp_path: Path) -> None:
+    key_file = tmp_path / "model-key"
+    key_file.write_text("sk-checked-secret\n")
+    result = run_cli(
+        "check", "--model-api-key-file", str(key_file), env={"AGENT_STATE_DIR": str(tmp_path / "state"), "AGENT_PORT": "0"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"AGENT_MODEL_API_KEY_FILE={key_file}" in result.stdout and "AGENT_MODEL_API_KEY=(set)" in result.stdout
+    assert "sk-checked-secret" not in result.stdout + result.stderr
+    key_file.unlink()
+    result = run_cli("check", env={"AGENT_MODEL_API_KEY_FILE": str(key_file), "AGENT_STATE_DIR": str(tmp_path / "state")})
+    assert result.returncode == 1 and f"AGENT_MODEL_API_KEY_FILE='{key_file}' is not valid: it cannot be read" in result.stderr
