@@ -6,7 +6,9 @@ Every JSON-RPC answer, error or not, travels with HTTP 200, as the reference ser
 A body refused before JSON-RPC is reached (over the size limit, declared as something other
 than JSON, compressed, or not whole within the time a body may take) is answered the same way,
 -32600 with HTTP 200, not 413, 415 or 408: A2A clients read the error from the body, and some
-take any other status for a transport failure.
+take any other status for a transport failure. So a blocking send whose task still runs once its
+first keep-alive is due is answered 200 then, its body white space until the answer
+(``_AnswerOnceSettled``).
 
 Protocol errors become error objects in the request's version. A store that fails (a full
 disk, say) is an outage: logged in one line, and answered -32603 saying so. Anything else is a
@@ -16,11 +18,14 @@ internal.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import attrs
+import trio
 from quart import Response, request
+from quart.wrappers.response import ResponseBody
 from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
 from protocol import (
@@ -107,7 +112,15 @@ class _SentTask:
     task_json: str
 
 
-def _success(request_id: RequestId, result: object) -> Response:
+@attrs.frozen
+class _Unsettled:
+    """A blocking send's task, still running once the answer's first keep-alive is due."""
+
+    task_id: str
+    send: SendMessageParams
+
+
+def _success(request_id: RequestId, result: object) -> bytes:
     if isinstance(result, _SentTask):
         try:
             task = result.task_json.encode("utf-8")
@@ -115,9 +128,39 @@ def _success(request_id: RequestId, result: object) -> Response:
             result = send_result_to_json(result.task, STORED_VERSION)
         else:
             # Byte for byte what encode_json makes of success_response(request_id, {"task": ...}).
-            body = b'{"jsonrpc":"2.0","id":' + encode_json(request_id) + b',"result":{"task":' + task + b"}}"
-            return Response(body, content_type=JSON_TYPE)
-    return json_response(success_response(request_id, result))
+            return b'{"jsonrpc":"2.0","id":' + encode_json(request_id) + b',"result":{"task":' + task + b"}}"
+    return encode_json(success_response(request_id, result))
+
+
+@attrs.define(eq=False)
+class _AnswerOnceSettled(ResponseBody):
+    """The body of a blocking send's answer whose task runs on: a space every ``keepalive_s``
+    (JSON allows white space before a value) until the task settles, then the answer. A client,
+    or a proxy, that gives up on a read silent for a few seconds (the a2a-sdk client's own HTTP
+    client does after 5 s) stays for a run that takes minutes. Each call waits inside itself,
+    holding no cancel scope across a yield, as runtime.surface.streams does."""
+
+    answer: Callable[[], Awaitable[bytes]]
+    keepalive_s: float
+    _sent: bool = attrs.field(init=False, default=False)
+
+    async def __aenter__(self) -> _AnswerOnceSettled:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        pass
+
+    def __aiter__(self) -> _AnswerOnceSettled:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._sent:
+            raise StopAsyncIteration
+        with trio.move_on_after(self.keepalive_s):
+            body = await self.answer()
+            self._sent = True
+            return body
+        return b" "
 
 
 @attrs.frozen
@@ -164,10 +207,22 @@ class JsonRpcEndpoint:
                 stream = await self._open_stream(request_id, target, params)
                 return event_stream_response(stream)
             result = await self._answer(target.operation, params, target.version)
-            return _success(request_id, result)  # encoding can fail too
+            if isinstance(result, _Unsettled):
+                body = _AnswerOnceSettled(functools.partial(self._answer_once_settled, request_id, target, result), self.keepalive_s)
+                response = Response(body, status=200, content_type=JSON_TYPE)
+                response.timeout = None  # quart's RESPONSE_TIMEOUT would cut a long task's answer
+                return response
+            return Response(_success(request_id, result), content_type=JSON_TYPE)  # encoding can fail too
         except Exception as exc:
             error = answer_to(target.method, exc)
         return error_answer(error_response(request_id, error, target.version), target.method)
+
+    async def _answer_once_settled(self, request_id: RequestId, target: Route, unsettled: _Unsettled) -> bytes:
+        """The answer to a blocking send, once its task settles; its status is sent already."""
+        try:
+            return _success(request_id, await self._settled(unsettled.task_id, unsettled.send, target.version))
+        except Exception as exc:
+            return encode_json(error_response(request_id, answer_to(target.method, exc), target.version))
 
     async def _answer(self, operation: Operation, params: Params, version: ProtocolVersion) -> object:
         if operation.is_push_config:
@@ -182,10 +237,16 @@ class JsonRpcEndpoint:
         ``returnImmediately`` (0.3: ``blocking: false``) it returns the task as created."""
         send = SendMessageParams.from_json(params, version)
         task = await self.runner.send(self.owner, send)
-        if not send.configuration.return_immediately:
-            task, stored = await self.runner.wait_settled_encoded(self.owner, task.id)
-            if stored is not None and version is STORED_VERSION and send.configuration.history_length is None:
-                return _SentTask(task, stored)
+        if send.configuration.return_immediately:
+            return send_result_to_json(trim_history(task, send.configuration.history_length, version), version)
+        with trio.move_on_after(self.keepalive_s):
+            return await self._settled(task.id, send, version)
+        return _Unsettled(task.id, send)  # answered by a body that keeps the connection alive meanwhile
+
+    async def _settled(self, task_id: str, send: SendMessageParams, version: ProtocolVersion) -> object:
+        task, stored = await self.runner.wait_settled_encoded(self.owner, task_id)
+        if stored is not None and version is STORED_VERSION and send.configuration.history_length is None:
+            return _SentTask(task, stored)
         return send_result_to_json(trim_history(task, send.configuration.history_length, version), version)
 
     async def _get_task(self, params: Params, version: ProtocolVersion) -> object:

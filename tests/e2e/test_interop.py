@@ -216,3 +216,23 @@ async def test_the_card_is_found_at_the_well_known_path_of_a2a_0_2_too(tmp_path:
             older = await A2ACardResolver(http, server.url, agent_card_path="/.well-known/agent.json").get_agent_card()
     assert older == card
 
+
+
+async def test_the_reference_client_made_as_documented_waits_out_a_blocking_send_longer_than_its_timeout(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # Made without an HTTP client of its own, the client reads through httpx's defaults: a read
+    # that waits 5 s for a byte fails. A model slow to answer (a local one loading, say) takes longer.
+    gives_up_after_s = httpx.AsyncClient().timeout.read
+    assert gives_up_after_s is not None
+    fake_model.default = Reply(text="Worth the wait.", delay_s=gives_up_after_s + 1)
+    async with running_server(tmp_path / "state", fake_model.base_url) as server:
+        async with httpx.AsyncClient(timeout=30) as http:
+            card = await A2ACardResolver(http, server.url).get_agent_card()
+        client = await create_client(card, ClientConfig(streaming=False))
+        try:
+            [response] = [r async for r in client.send_message(ask("Take your time"))]
+        finally:
+            await client.close()
+    assert response.task.status.state == a2a.TaskState.TASK_STATE_COMPLETED
+    assert response.task.artifacts[0].parts[0].text == "Worth the wait."

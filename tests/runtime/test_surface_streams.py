@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -607,3 +607,103 @@ async def test_a_stream_whose_task_end_cannot_be_stored_as_the_server_stops_says
     assert [str(error) for error in told] == [
         said.replace(f"the event stream of task {task_id!r} ended before the task did: ", f"task {task_id!r} ended, but ")
     ]
+
+
+SEND = {V1: "SendMessage", V03: "message/send"}
+
+
+@asynccontextmanager
+async def blocking_send(keel: Served, text: str, version: str | None) -> AsyncIterator[httpx.Response]:
+    """A blocking send whose answer is read as it comes."""
+    params = {"message": message(text, version)}
+    request = keel.http.build_request("POST", keel.rpc_path, json=keel.body(SEND[version], params), headers=keel.headers(version))
+    with trio.fail_after(DEADLINE_S):
+        response = await keel.http.send(request, stream=True)
+    try:
+        assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+        yield response
+    finally:
+        await response.aclose()
+
+
+async def read_until(chunks: AsyncIterator[bytes], received: bytearray, enough: Callable[[bytes], bool]) -> None:
+    with trio.fail_after(DEADLINE_S):
+        while not enough(bytes(received)):
+            received.extend(await anext(chunks))
+
+
+async def read_rest(chunks: AsyncIterator[bytes], received: bytearray) -> None:
+    with trio.fail_after(DEADLINE_S):
+        async for chunk in chunks:
+            received.extend(chunk)
+
+
+@BOTH
+async def test_a_blocking_send_whose_task_runs_on_keeps_its_answer_alive_until_the_task_settles(
+    fake_model: FakeModel, tmp_path: Path, version: str | None
+) -> None:
+    # A proxy or client that gives up on a read silent a few seconds (the a2a-sdk client's own
+    # HTTP client does after 5 s; a load balancer after 60) would cut a long run's answer.
+    async with serve_keel(tmp_path / "state", fake_model, surface=SurfaceConfig(keepalive_s=0.02)) as keel:
+        keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Rolled back.")]
+        async with blocking_send(keel, "Roll back", version) as response:
+            chunks, received = response.aiter_bytes(), bytearray()
+            await read_until(chunks, received, lambda said: said.count(b" ") >= 3)
+            assert received.strip() == b""  # white space alone while the run goes on
+            keel.gate.opened.set()
+            await read_rest(chunks, received)
+    answer = json.loads(received)  # JSON allows white space before a value
+    assert answer["id"] == 1 and state(answer["result"]) in ("TASK_STATE_COMPLETED", "completed"), answer
+    assert body(answer["result"])["artifacts"][0]["parts"] == [part("Rolled back.", version)]
+
+
+@BOTH
+async def test_a_blocking_send_settled_before_its_first_keepalive_is_answered_with_its_length(
+    fake_model: FakeModel, tmp_path: Path, version: str | None
+) -> None:
+    async with serve_keel(tmp_path / "state", fake_model, surface=SurfaceConfig(keepalive_s=DEADLINE_S)) as keel:
+        keel.model.script = [Reply(text="Quick.")]
+        async with blocking_send(keel, "Quick one", version) as response:
+            assert response.headers["content-length"] == str(len(await response.aread()))
+            assert state(response.json()["result"]) in ("TASK_STATE_COMPLETED", "completed")
+
+
+async def test_a_blocking_send_keeps_its_answer_alive_for_a_client_with_httpx_defaults(keel: Served) -> None:
+    gives_up_after_s = httpx.AsyncClient().timeout.read
+    assert gives_up_after_s is not None
+    keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+    async with blocking_send(keel, "Roll back", V1) as response:
+        chunks, received = response.aiter_bytes(), bytearray()
+        await keel.gate.wait_entered()
+        with trio.fail_after(gives_up_after_s):
+            received.extend(await anext(chunks))
+        assert received.strip() == b""
+        keel.gate.opened.set()
+        await read_rest(chunks, received)
+    assert state(json.loads(received)["result"]) == "TASK_STATE_COMPLETED"
+
+
+async def test_a_store_failing_while_a_blocking_send_waits_ends_its_answer_with_the_error(
+    fake_model: FakeModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with serve_keel(tmp_path / "state", fake_model, surface=SurfaceConfig(keepalive_s=0.02)) as keel:
+        keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
+        async with blocking_send(keel, "Roll back", V1) as response:
+            chunks, received = response.aiter_bytes(), bytearray()
+            await read_until(chunks, received, lambda said: said.count(b" ") >= 1)
+
+            async def failing(_runner: Runner, _owner: str, _task_id: str) -> tuple[Task, str | None]:
+                raise DatabaseFailed(keel.state_dir / "tasks.db", sqlite3.OperationalError("disk I/O error"))
+
+            monkeypatch.setattr(Runner, "wait_settled_encoded", failing)
+            with caplog.at_level(logging.ERROR, logger="runtime.surface"):
+                await read_rest(chunks, received)
+            monkeypatch.undo()
+            keel.gate.opened.set()  # the task goes on
+            [task] = (await keel.result("ListTasks", {}))["tasks"]
+            assert (await keel.runner.wait_settled(ANONYMOUS, task["id"])).status.state is TaskState.COMPLETED
+    error = json.loads(received)["error"]
+    assert error["code"] == -32603 and error["message"].startswith("the server's storage failed while handling 'SendMessage'")
+    assert "disk I/O" not in error["message"] and str(keel.state_dir) not in error["message"]
+    [logged] = caplog.records
+    assert "tasks.db" in logged.getMessage() and logged.exc_info is None
