@@ -380,7 +380,9 @@ def _http_config(config: Config) -> _HttpConfig:
     http.keep_alive_timeout = config.keep_alive_s  # a connection that has not sent its first request too
     http.bind = [f"{config.host}:{config.port}"]
     http.accesslog = None
-    errorlog = logging.getLogger("hypercorn.error")  # through our logging, printed once
+    # Through our logging, printed once, under a name of Keel's: hypercorn's own, hypercorn.error,
+    # puts "error" on its every line, "Running on ..." included, for a log search to find.
+    errorlog = logging.getLogger("runtime.http")
     errorlog.addFilter(ONE_LINE)  # a request hypercorn failed on is no traceback in the log
     http.errorlog = errorlog
     # By the time HTTP closes every run has settled and its streams have had their last event;
