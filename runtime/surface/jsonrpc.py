@@ -291,7 +291,8 @@ class JsonRpcEndpoint:
             task_id = TaskIdParams.from_json(params, version).id
             task = await self.runner.get(self.owner, task_id)
             if task.status.state.is_terminal:
-                raise TaskIsTerminal(task_id, task.status.state.value, "be subscribed to")
+                read = "GetTask" if version is ProtocolVersion.V1_0 else "tasks/get"
+                raise TaskIsTerminal(task_id, task.status.state.value, "be subscribed to", instead=f"read it as it ended with {read}")
         return TaskEventStream(
             runner=self.runner, owner=self.owner, task_id=task_id, request_id=request_id, version=version,
             keepalive_s=self.keepalive_s, method=target.method, first=first,

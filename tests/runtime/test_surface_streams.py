@@ -181,7 +181,11 @@ async def test_subscribe_to_a_terminal_task_is_unsupported_operation(keel: Serve
     done = await keel.send("one", version=version)
     error = await keel.stream_error(SUBSCRIBE[version], {"id": done["id"]}, version=version)
     assert error["code"] == -32004
-    assert done["id"] in error["message"]
+    assert error["message"] == (
+        f"task {done['id']!r} has ended (completed) and cannot be subscribed to; read it as it ended with {GET[version]}"
+    )
+    read = await keel.result(GET[version], {"id": done["id"]}, version=version)
+    assert read["status"]["state"] in ("TASK_STATE_COMPLETED", "completed")
 
 
 @pytest.mark.parametrize(
