@@ -81,7 +81,7 @@ def create_snapshot(
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}; a snapshot that is pruned at once protects nothing")
     now = datetime.now(timezone.utc)
-    stamp = stamp or stamp_for(now)
+    stamp = stamp_for(now) if stamp is None else stamp
     if not _is_stamp(stamp):
         raise SnapshotError(f"snapshot timestamp {stamp!r} must be a UTC time written like 20260131T235959Z")
     recover(state_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -89,10 +90,10 @@ def _add_state_dir(parser: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    # Plain digits: int() also reads "1_0" (as 10) and the digits of other scripts.
+    if not re.fullmatch(r"\s*[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"must be a whole number in the digits 0-9, got {text!r}")
+    value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value

@@ -389,7 +389,13 @@ def test_state_snapshot_refuses_a_taken_timestamp(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("keep", "message"), [("0", "must be at least 1, got 0"), ("many", "must be an integer, got 'many'")]
+    ("keep", "message"),
+    [
+        ("0", "must be at least 1, got 0"),
+        ("many", "must be a whole number in the digits 0-9, got 'many'"),
+        ("1_0", "must be a whole number in the digits 0-9, got '1_0'"),  # Python's int() reads 10
+        ("\u0661", "must be a whole number in the digits 0-9, got '\u0661'"),  # an Arabic-Indic 1
+    ],
 )
 def test_state_snapshot_rejects_a_bad_keep(tmp_path: Path, keep: str, message: str) -> None:
     result = keel(tmp_path, "state", "snapshot", "--keep", keep)
@@ -686,3 +692,11 @@ def test_state_restore_onto_a_full_disk_names_the_state_directory_and_changes_no
         " (its file system is full), and the live databases are as they were; free space on its disk and restore again"
     )
     assert after == before
+
+
+def test_state_snapshot_refuses_an_empty_timestamp_rather_than_taking_it_for_now(tmp_path: Path) -> None:
+    live_state(tmp_path)
+    result = keel(tmp_path, "state", "snapshot", "--timestamp", "")
+    assert result.returncode == 1
+    assert "snapshot timestamp '' must be a UTC time written like 20260131T235959Z" in result.stderr
+    assert not (tmp_path / ".state-backups").exists() or not list((tmp_path / ".state-backups").iterdir())
