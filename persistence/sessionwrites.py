@@ -200,6 +200,12 @@ def drop_steers_txn(conn: sqlite3.Connection, session_id: str, task_id: str) -> 
         conn.execute("DELETE FROM steers WHERE session_id = ? AND task_id = ?", (session_id, task_id))
 
 
+# The time of the session's newest steer still to be recorded in its task: the next is dated after
+# it, so that they are recorded in the order they were left, though the clock was set back
+# between them, or they came within one millisecond (their message ids, a client's, would then order them).
+_NEWEST_PENDING = "SELECT max(created_at_ms) FROM steer_receipts WHERE session_id = ? AND record IS NOT NULL"
+
+
 def add_steer_txn(
     conn: sqlite3.Connection,
     lengths: SessionLengths,
@@ -210,6 +216,9 @@ def add_steer_txn(
     record: str | None,
 ) -> bool:
     now = now_ms()
+    if record is not None:  # pending_steers gives them oldest first: by this time, whatever the clock says
+        (newest,) = conn.execute(_NEWEST_PENDING, (session_id,)).fetchone()
+        now = now if newest is None else max(now, newest + 1)
     if message_id is not None and not conn.execute(
         "INSERT INTO steer_receipts (session_id, message_id, task_id, sent_sha256, created_at_ms, record)"
         " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",

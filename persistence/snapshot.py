@@ -18,8 +18,8 @@ import shutil
 import sqlite3
 import tempfile
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from datetime import datetime, timezone
+from contextlib import ExitStack, contextmanager, suppress
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from persistence.databases import check_servable
@@ -81,8 +81,7 @@ def create_snapshot(
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}; a snapshot that is pruned at once protects nothing")
     now = datetime.now(timezone.utc)
-    stamp = stamp_for(now) if stamp is None else stamp
-    if not _is_stamp(stamp):
+    if stamp is not None and not _is_stamp(stamp):  # an empty one too: it is not taken for now
         raise SnapshotError(f"snapshot timestamp {stamp!r} must be a UTC time written like 20260131T235959Z")
     recover(state_dir)
     if not state_dir.is_dir():
@@ -106,6 +105,7 @@ def create_snapshot(
         _make_backup_root(backup_root)
         _refuse_anothers(backup_root, state_dir)
         _remove_abandoned(backup_root)
+        stamp = _stamp_at(backup_root, now) if stamp is None else stamp
         # A server that holds the directory may not have opened its databases yet: none is then
         # a file no one will change (see _read_together), whatever is beside it.
         immutable = written_by_no_one(state_dir) or not in_use(state_dir)
@@ -113,6 +113,18 @@ def create_snapshot(
             target = _write_snapshot(state_dir, backup_root, stamp, names, app_version, now, immutable=immutable)
     prune_snapshots(backup_root, keep=keep, keeping=target)
     return target
+
+
+def _stamp_at(backup_root: Path, now: datetime) -> str:
+    """The stamp of a snapshot taken ``now``: its second, or, while the clock is behind the newest
+    snapshot's (set back since it was taken), the second after that one's. Pruning keeps the newest
+    by name, which must then be those taken last, not those taken before the clock stepped back."""
+    stamp = stamp_for(now)
+    newest = max((path.name for path in complete_snapshots(backup_root) if _is_stamp(path.name)), default=stamp)
+    if newest > stamp:
+        with suppress(OverflowError):  # a clock once set to the last second of 9999
+            stamp = stamp_for(datetime.strptime(newest, STAMP_FORMAT).replace(tzinfo=timezone.utc) + timedelta(seconds=1))
+    return stamp
 
 
 def _unusable_backup_root(backup_root: Path, why: str) -> SnapshotError:

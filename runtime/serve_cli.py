@@ -187,7 +187,13 @@ _CONTROLS = {code: repr(chr(code))[1:-1] for code in (*range(0x09), *range(0x0A,
 
 class LogFormatter(logging.Formatter):
     """Each record on one line, its line breaks and terminal controls escaped; a traceback keeps
-    its own lines, the controls inside them escaped."""
+    its own lines, the controls inside them escaped. Its time is RFC 3339 in UTC, as a task's
+    status time is, whatever the machine's time zone (a local time without its offset could not
+    be told apart from one an hour away, and repeats itself when summer time ends)."""
+
+    converter = staticmethod(time.gmtime)
+    default_time_format = "%Y-%m-%dT%H:%M:%S"
+    default_msec_format = "%s.%03dZ"
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         return super().formatMessage(record).translate(_CONTROLS)

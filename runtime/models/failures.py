@@ -94,7 +94,7 @@ def failure_of_status(config: ModelConfig, response: httpx.Response, detail: str
     """A response that is not 2xx, ``detail`` being the start of its body as the logs keep it:
     429 and 5xx may be tried again, a 4xx or a redirect may not."""
     model, status = config.model, response.status_code
-    retry_after_s = _retry_after_s(response.headers.get("retry-after"))
+    retry_after_s = _retry_after_s(response.headers.get("retry-after"), response.headers.get("date"))
     if status == 429:
         error: ModelError = ModelRateLimited(model, retry_after_s=retry_after_s, detail=detail, attempts=attempt)
         return Failure(error, retry=True, retry_after_s=retry_after_s)
@@ -206,19 +206,29 @@ def _tls_failure(exc: BaseException) -> str | None:
     return None
 
 
-def _retry_after_s(value: str | None) -> float | None:
+def _retry_after_s(value: str | None, date: str | None) -> float | None:
     """Retry-After in seconds, given as seconds or as an HTTP-date (a date gone by: 0); None
-    when absent or unreadable."""
+    when absent or unreadable. A date is read against the response's own Date, the time by the
+    same clock, where it has one: this machine's clock may be set otherwise (a wait of an hour
+    where the server asked for a second, or none at all)."""
     if value is None:
         return None
     try:
         seconds = float(value)
     except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        when = _http_date(value)
+        if when is None:
             return None
-        if when.tzinfo is None:  # "-0000": UTC, as HTTP-dates always are
-            when = when.replace(tzinfo=timezone.utc)
-        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+        return max(0.0, (when - (_http_date(date) or datetime.now(timezone.utc))).total_seconds())
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _http_date(value: str | None) -> datetime | None:
+    """An HTTP-date, None when absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return when.replace(tzinfo=timezone.utc) if when.tzinfo is None else when  # "-0000": UTC, as HTTP-dates always are

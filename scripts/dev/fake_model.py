@@ -22,6 +22,7 @@ Standalone, for demos (one reply to every request, forever)::
 from __future__ import annotations
 
 import argparse
+import email.utils
 import errno
 import functools
 import json
@@ -165,6 +166,9 @@ class FakeModel:
     # Every request is kept in ``received`` for a test to read; run standalone (for a demo, or a
     # load run) it keeps none, so that it does not grow with every request it answers.
     record: bool = True
+    # How far its clock is ahead of this machine's (behind, if negative): the Date header of
+    # each response says the time by it, as a model server whose clock is set otherwise would.
+    clock_ahead_s: float = 0.0
     received: list[Received] = attrs.field(init=False, factory=list)
     disconnects: int = attrs.field(init=False, default=0)
     answering: int = attrs.field(init=False, default=0)  # chat requests being answered now
@@ -185,6 +189,7 @@ class FakeModel:
         config = hypercorn.Config()
         config.bind = [f"{host}:{port}"]
         config.loglevel = "WARNING"
+        config.include_date_header = False  # the app dates its responses itself, by its own clock
         async with trio.open_nursery() as nursery:
             # The app speaks ASGI in plain dicts; hypercorn's TypedDicts describe the same shapes.
             app = functools.partial(hypercorn.trio.serve, self._app, config)  # type: ignore[arg-type]
@@ -203,6 +208,7 @@ class FakeModel:
             return
         if scope["type"] != "http":
             return
+        send = functools.partial(_dated, send, self.clock_ahead_s)
         raw = await _read_body(receive)
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         body = _parse_json(raw)
@@ -439,6 +445,14 @@ def _json(data: object, *, raw_bytes: bool = False) -> str:
 def _encoded(text: str) -> bytes:
     """``text`` in UTF-8, with its surrogate escapes as the bytes they stand for (see Reply.raw_bytes)."""
     return text.encode("utf-8", "surrogateescape")
+
+
+async def _dated(send: Send, clock_ahead_s: float, event: Event) -> None:
+    """``send``, with a Date header on the start of a response: the time by a clock ``clock_ahead_s`` ahead."""
+    if event["type"] == "http.response.start":
+        date = email.utils.formatdate(time.time() + clock_ahead_s, usegmt=True).encode()
+        event = {**event, "headers": [*event["headers"], (b"date", date)]}
+    await send(event)
 
 
 async def _send_json(send: Send, status: int, data: dict[str, Any]) -> None:

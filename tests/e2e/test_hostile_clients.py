@@ -11,9 +11,9 @@ import httpx
 from fake_model import ErrorReply, FakeModel
 from tests.e2e.harness import keel_process, rpc, user_message
 
-# A line of the server's log as `serve` writes it: "2026-01-31 12:00:00,000 WARNING runtime.runner: ...".
-LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ")
-FORGED = "2001-01-01 00:00:00,000 ERROR runtime.runner: forged by a client"
+# A line of the server's log as `serve` writes it: "2026-01-31T12:00:00.000Z WARNING runtime.runner: ...".
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z [A-Z]+ ")
+FORGED = "2001-01-01T00:00:00.000Z ERROR runtime.runner: forged by a client"
 
 
 async def test_a_context_id_with_a_newline_or_an_escape_sequence_forges_no_line_of_the_log(

@@ -10,6 +10,7 @@ import stat
 import sqlite3
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from persistence import snapshot as snapshot_module
 from persistence.manifest import read_snapshot
 from persistence.recovery import hold_state_dir
 from persistence.schema import SchemaIdentity
-from persistence.snapshot import OWNER_NAME, complete_snapshots, create_snapshot
+from persistence.snapshot import OWNER_NAME, complete_snapshots, create_snapshot, stamp_for
 from persistence.statedir import RecoveryError, SnapshotError
 from tests.persistence.state_helpers import another_users, in_wal_mode, labels, live_databases, make_damaged_db, make_db
 
@@ -35,7 +36,7 @@ def state_dir(tmp_path: Path) -> Path:
     return state
 
 
-def snap(state_dir: Path, stamp: str = STAMP, *, keep: int = 7) -> Path:
+def snap(state_dir: Path, stamp: str | None = STAMP, *, keep: int = 7) -> Path:
     return create_snapshot(state_dir, state_dir.parent / "backups", keep=keep, app_version="1.2.3", stamp=stamp)
 
 
@@ -161,6 +162,20 @@ def test_snapshot_retention_never_prunes_the_snapshot_just_written(state_dir: Pa
     assert complete_snapshots(root) == [older]
     assert read_snapshot(older).databases  # whole, and valid
     assert not newer.exists()
+
+
+def test_snapshots_taken_after_the_clock_stepped_back_are_the_newest_that_retention_keeps(state_dir: Path) -> None:
+    # Two taken while the clock read two hours later than it does now (set back since: an NTP
+    # step, or a VM's clock put right).
+    root = state_dir.parent / "backups"
+    ahead = datetime.now(timezone.utc) + timedelta(hours=2)
+    before_the_step = [snap(state_dir, stamp_for(ahead + timedelta(seconds=s)), keep=2) for s in range(2)]
+    after_the_step = snap(state_dir, None, keep=2)
+    assert complete_snapshots(root) == [before_the_step[1], after_the_step]  # named after those before it
+    last = snap(state_dir, None, keep=2)
+    assert complete_snapshots(root) == [after_the_step, last]  # the two taken last are those kept
+    taken_at = datetime.fromisoformat(json.loads((last / "manifest.json").read_bytes())["created_at"])
+    assert taken_at < ahead  # its manifest says when it was taken, by the clock
 
 
 # A snapshot writer ended where a kill -9 would end it: its copies made, its manifest not yet.

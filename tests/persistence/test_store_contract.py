@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+import persistence.sessionwrites
 from persistence import storetest
 from persistence.memory import MemorySessionData, MemorySessionStore, MemoryTaskStore
 from persistence.sessions import SqliteSessionStore, open_session_store
@@ -75,3 +76,20 @@ async def test_run_contract_runs_every_check_and_names_a_failure() -> None:
     shared = "a_save_that_changes_an_earlier_message|two_stores_taking_at_once|a_steer_left_through_one_store|a_steer_left_again"
     with pytest.raises(AssertionError, match=shared):
         await storetest.run_contract(ForgetfulBackend)
+
+
+async def test_sqlite_steers_pending_for_a_task_come_in_the_order_left_though_the_clock_steps_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each steer's record failed to reach its task (a full disk, say) and waits to be recorded in
+    # its history, in the order the run took them. The clock is set back an hour between the
+    # first two (an NTP step), and stands still for the last two (one millisecond).
+    clock = [10_000_000_000]
+    monkeypatch.setattr(persistence.sessionwrites, "now_ms", lambda: clock[0])
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        for message_id, step_ms in (("m-3", -3_600_000), ("m-2", 0), ("m-1", 0), ("m-0", 0)):
+            await store.add_steer("ctx", f"steer {message_id}", message_id=message_id, task_id="task-1", record=message_id)
+            clock[0] += step_ms
+        assert await store.take_steers("ctx", for_task="task-1") == ["steer m-3", "steer m-2", "steer m-1", "steer m-0"]
+        pending = await store.pending_steers(session_id="ctx", task_id="task-1")
+        assert [steer.message_id for steer in pending] == ["m-3", "m-2", "m-1", "m-0"]

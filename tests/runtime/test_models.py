@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import email.utils
 import json
 import math
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -463,6 +465,20 @@ async def test_rate_limit_asking_to_wait_until_a_date_past_the_backoff_cap_is_no
 
 async def test_rate_limit_asking_to_wait_until_a_date_gone_by_is_retried(fake_model: FakeModel) -> None:
     fake_model.script = [ErrorReply(429, retry_after="Sun, 06 Nov 1994 08:49:37 GMT"), Reply(text="after the limit")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            assert (await client.complete(ASK)).message.text == "after the limit"
+    assert len(fake_model.bodies) == 2
+
+
+async def test_rate_limit_asking_to_wait_until_a_date_is_read_by_the_model_servers_clock_not_this_machines(
+    fake_model: FakeModel,
+) -> None:
+    # This machine's clock is an hour behind the model server's (a VM resumed from suspend, say):
+    # the date it asks to wait until is now by its own clock, as its Date header says.
+    fake_model.clock_ahead_s = 3600
+    now_there = email.utils.formatdate(time.time() + 3600, usegmt=True)
+    fake_model.script = [ErrorReply(429, retry_after=now_there), Reply(text="after the limit")]
     with trio.fail_after(DEADLINE_S):
         async with open_model_client(config_for(fake_model)) as client:
             assert (await client.complete(ASK)).message.text == "after the limit"
