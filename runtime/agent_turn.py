@@ -15,6 +15,7 @@ import attrs
 import trio
 
 from persistence.api import SessionStore, TaskStore
+from persistence.errors import StoreError
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
@@ -55,7 +56,13 @@ class TurnTaker:
             # the reply to this task's send names that context, and this run takes the lock in
             # its first step, long before another request could: no other turn comes first.)
             fresh = self.fresh.pop(task.context_id, None) == task.id
-            messages = [] if fresh else await session.messages()
+            try:
+                messages = [] if fresh else await session.messages()
+            except StoreError as exc:  # a damaged row, or a failing disk: said so, in one line, as a failed save is
+                unreadable = ConversationUnreadable(task.context_id)
+                unreadable.__cause__ = exc
+                self._say_failed(task, unreadable)
+                return settle(TaskState.FAILED, _failed(unreadable))
             turn, overtaken = turn_of(messages, task.id)
             resuming = live.resuming
             if resuming:  # steers were refused until now: one taken for a turn already over would ride no request
@@ -108,6 +115,19 @@ class TurnTaker:
             logger.info("%s", about)
         else:  # a store failure: what it said is for the log alone
             logger.warning("%s, from %r", about, exc.__cause__)
+
+
+class ConversationUnreadable(AgentError):
+    """The conversation a turn continues could not be read from runtime.db, so its run stops
+    before the model is asked: asked without it, the model would answer out of context."""
+
+    def __init__(self, context_id: str) -> None:
+        self.context_id = context_id
+        super().__init__(
+            f"the conversation of context {context_id!r} could not be read from the server's storage, so the run stopped"
+            " before calling the model; send the message again, with a new messageId, once the server's storage is back,"
+            " or without the contextId to start a new conversation"
+        )
 
 
 def _failed(exc: AgentError | ModelError) -> str:

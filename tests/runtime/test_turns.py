@@ -414,3 +414,24 @@ async def test_a_turn_begun_before_its_process_died_goes_on_before_the_tasks_tha
             settled = [await keel.runner.wait_settled(ANONYMOUS, task["id"]) for task in (begun, waiting)]
     assert [task.status.state for task in settled] == [TaskState.COMPLETED, TaskState.COMPLETED]
     assert [user_texts(body)[-1] for body in fake_model.bodies[1:]] == ["Roll back the deploy.", "Then page the owner."]
+
+
+async def test_a_turn_whose_conversation_cannot_be_read_fails_naming_it_not_as_an_internal_error(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_model.default = Reply(text="Yes.")
+    async with runner_over(tmp_path, fake_model) as (runner, _, _tasks):
+        first = await runner.send(ANONYMOUS, SendMessageParams(message=question()))
+        with trio.fail_after(DEADLINE_S):
+            await runner.wait_settled(ANONYMOUS, first.id)
+        with closing(sqlite3.connect(tmp_path / "runtime.db", isolation_level=None)) as conn:  # a damaged row
+            conn.execute("UPDATE events SET content = '{not json' WHERE session_id = ? AND seq = 0", (first.context_id,))
+        again = attrs.evolve(question("And now?"), context_id=first.context_id)
+        task = await runner.send(ANONYMOUS, SendMessageParams(message=again))
+        with trio.fail_after(DEADLINE_S):
+            ended = await runner.wait_settled(ANONYMOUS, task.id)
+    assert ended.status.state is TaskState.FAILED
+    said = message_text(ended.status.message)  # type: ignore[arg-type]
+    assert first.context_id in said and "could not be read" in said and "internal error" not in said, said
+    assert len(fake_model.bodies) == 1  # the model was not asked about a conversation it cannot be shown
+    assert not [record for record in caplog.records if record.exc_info], "logged with a traceback"
