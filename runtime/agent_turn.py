@@ -143,10 +143,18 @@ async def orphan_outcome(sessions: SessionStore, task: Task, live: LiveTask) -> 
     turn's answer before it stopped. That answer is in the conversation the model reads next,
     so the task says so (COMPLETED, without asking the model anything), rather than tell
     its client there was none."""
-    turn, _ = turn_of(await Session.open(task.context_id, sessions).messages(), task.id)
+    reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
+    try:
+        messages = await Session.open(task.context_id, sessions).messages()
+    except StoreError as exc:  # a damaged conversation fails its own orphan, and keeps no other from ending
+        logger.warning(
+            "failing task %s left %s by a process that stopped (orphans: fail); its conversation, context %s, could"
+            " not be read to find whether its answer was stored: %s", task.id, task.status.state.value, task.context_id, exc,
+        )  # fmt: skip
+        return settle(TaskState.FAILED, reason)
+    turn, _ = turn_of(messages, task.id)
     if turn and answered(turn):
         logger.info("completing task %s left %s by a process that stopped: its answer was stored", task.id, task.status.state.value)
         return completed(live, turn[-1].text)
     logger.info("failing task %s left %s by a process that stopped (orphans: fail)", task.id, task.status.state.value)
-    reason = "The process running this task stopped before it finished; send the message again, with a new messageId."
     return settle(TaskState.FAILED, reason)

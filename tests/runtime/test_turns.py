@@ -146,6 +146,25 @@ async def test_with_orphans_fail_a_turn_whose_process_died_after_saving_its_answ
     assert fake_model.bodies == []
 
 
+async def test_with_orphans_fail_an_orphan_whose_conversation_cannot_be_read_fails_alone(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One damaged conversation must not keep the server from starting, nor its other orphans from ending.
+    damaged = await left_by_a_dead_process(tmp_path, TaskState.WORKING, answered_before_the_crash, context_id="ctx-damaged")
+    sound = await left_by_a_dead_process(tmp_path, TaskState.WORKING, answered_before_the_crash, context_id="ctx-sound")
+    with closing(sqlite3.connect(tmp_path / "runtime.db", isolation_level=None)) as conn:
+        conn.execute("UPDATE events SET content = '{not json' WHERE session_id = 'ctx-damaged' AND seq = 1")
+    async with runner_over(tmp_path, fake_model, config=RunnerConfig(orphans="fail")) as (runner, _, _):
+        ended = {task_id: await runner.get(ANONYMOUS, task_id) for task_id in (damaged, sound)}  # taken up before it starts
+    assert ended[sound].status.state is TaskState.COMPLETED
+    assert ended[damaged].status.state is TaskState.FAILED
+    said = message_text(ended[damaged].status.message)  # type: ignore[arg-type]
+    assert "send the message again, with a new messageId" in said, said
+    [logged] = [record for record in caplog.records if "ctx-damaged" in record.getMessage()]
+    assert logged.levelname == "WARNING" and damaged in logged.getMessage() and logged.exc_info is None
+    assert fake_model.bodies == []
+
+
 async def test_an_unfinished_turn_that_a_later_turn_has_overtaken_fails_rather_than_answer_the_later_one(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
