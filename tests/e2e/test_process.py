@@ -609,7 +609,7 @@ async def test_the_model_call_budget_set_for_the_server_bounds_each_turn(tmp_pat
     ):
         sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("What time is it?")})
         await keel.terminate()
-    status = sent["result"]["task"]["status"]["message"]["parts"]
+    status = sent["result"]["task"]["status"]
     assert status["state"] == "TASK_STATE_FAILED"
     assert "made its 2 model calls" in status["message"]["parts"][0]["text"]
     assert len(fake_model.bodies) == 2
