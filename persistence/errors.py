@@ -19,8 +19,8 @@ StoreError
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from types import TracebackType
 
 
 class StoreError(Exception):
@@ -40,16 +40,23 @@ class StoreClosed(StoreError):
         super().__init__(f"{what} is closed{about}; open a new store to read or write it")
 
 
-@contextmanager
-def naming_session(session_id: str, *, given: int = 0) -> Iterator[None]:
+class naming_session:  # noqa: N801  # a context manager, named as contextlib's are
     """A closed store's error, naming the session a call was about and the messages it was given
-    (the store's writer knows only its file)."""
-    try:
-        yield
-    except StoreClosed as exc:
-        if exc.session_id is not None:
-            raise
-        raise StoreClosed(exc.what, session_id=session_id, given=given) from None
+    (the store's writer knows only its file). A class rather than a generator: every append and
+    save goes through it, and a generator's context manager costs several times as much."""
+
+    __slots__ = ("session_id", "given")
+
+    def __init__(self, session_id: str, *, given: int = 0) -> None:
+        self.session_id = session_id
+        self.given = given
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if isinstance(exc, StoreClosed) and exc.session_id is None:
+            raise StoreClosed(exc.what, session_id=self.session_id, given=self.given) from None
 
 
 class InvalidEvent(StoreError):
