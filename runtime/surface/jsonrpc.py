@@ -210,6 +210,9 @@ class JsonRpcEndpoint:
             if isinstance(result, _Unsettled):
                 body = _AnswerOnceSettled(functools.partial(self._answer_once_settled, request_id, target, result), self.keepalive_s)
                 response = Response(body, status=200, content_type=JSON_TYPE)
+                # Each space goes out as it is written: nginx, buffering by default, holds the headers
+                # and the first space until the next one, 6 s in, when a client may have given up.
+                response.headers["X-Accel-Buffering"] = "no"
                 response.timeout = None  # quart's RESPONSE_TIMEOUT would cut a long task's answer
                 return response
             return Response(_success(request_id, result), content_type=JSON_TYPE)  # encoding can fail too
