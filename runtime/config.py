@@ -340,8 +340,15 @@ def read_key_file(path: Path) -> str:
     except UnicodeDecodeError:
         raise ValueError("it holds bytes that are not UTF-8 text; a key file holds the key alone, as text") from None
     key = text.removesuffix("\n").removesuffix("\r")
-    if not key.strip():
+    bare = key.strip()
+    if not bare:
         raise ValueError("it holds no key; write the key in it")
+    # Said of the file's text: _api_key would take a second line for a control character, and a
+    # space for a path read with its newline.
+    if "\n" in bare or "\r" in bare:
+        raise ValueError("it holds more than one line; write the key alone in it, on one line")
+    if key != bare:
+        raise ValueError("the key in it starts or ends with white space; remove it (one line end after the key is allowed)")
     return _api_key(key)
 
 
