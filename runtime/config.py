@@ -457,11 +457,14 @@ class Config:
             except ValueError as exc:
                 problems["port"] = f"{sources['port']}={str(port)!r} is not valid: {exc}"
         key_file, key_from = values.get("model_api_key_file"), sources["model_api_key"]
+        drop_key = f"unset {key_from}"
         if key_file is not None:
             key_from = sources["model_api_key_file"]
+            drop_key = f"unset {key_from}" if key_from.startswith(SETTING_PREFIX) else f"leave out {key_from}"
             if "model_api_key" in values or "model_api_key" in problems:
                 problems["model_api_key_file"] = (
-                    f"AGENT_MODEL_API_KEY and {key_from} are both set; give the key one way: unset one of them"
+                    f"AGENT_MODEL_API_KEY and {key_from} are both set; give the key one way: unset AGENT_MODEL_API_KEY"
+                    f" or {drop_key}"
                 )
             else:
                 try:
@@ -475,7 +478,7 @@ class Config:
             found.append(
                 f"{sources['model_base_url']}={without_credentials(url)!r} is not valid with {key_from} set: it"
                 " carries credentials (before its '@'), which would be sent in place of the key; take them out of the URL"
-                f" to send the key, or unset {key_from} to send them (HTTP Basic auth)"
+                f" to send the key, or {drop_key} to send them (HTTP Basic auth)"
             )
         found.extend(unknown_settings(env))
         if found:

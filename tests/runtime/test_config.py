@@ -626,13 +626,24 @@ def test_a_key_given_both_in_the_environment_and_in_a_file_is_refused(tmp_path: 
     with pytest.raises(ConfigError) as caught:
         Config.load({"AGENT_MODEL_API_KEY": "sk-in-the-environment", "AGENT_MODEL_API_KEY_FILE": str(key_file)})
     assert caught.value.problems == [
-        "AGENT_MODEL_API_KEY and AGENT_MODEL_API_KEY_FILE are both set; give the key one way: unset one of them"
+        "AGENT_MODEL_API_KEY and AGENT_MODEL_API_KEY_FILE are both set; give the key one way: unset AGENT_MODEL_API_KEY"
+        " or unset AGENT_MODEL_API_KEY_FILE"
+    ]
+    with pytest.raises(ConfigError) as caught:  # a flag is not unset: it is left out
+        Config.load({"AGENT_MODEL_API_KEY": "sk-in-the-environment"}, {"model_api_key_file": str(key_file)})
+    assert caught.value.problems == [
+        "AGENT_MODEL_API_KEY and --model-api-key-file are both set; give the key one way: unset AGENT_MODEL_API_KEY"
+        " or leave out --model-api-key-file"
     ]
     # A URL with credentials beside a key from a file is refused as beside one from the environment.
     with pytest.raises(ConfigError) as caught:
         Config.load({"AGENT_MODEL_API_KEY_FILE": str(key_file), "AGENT_MODEL_BASE_URL": "http://bob:pw@127.0.0.1:8000/v1"})
     assert "is not valid with AGENT_MODEL_API_KEY_FILE set" in str(caught.value)
     assert "unset AGENT_MODEL_API_KEY_FILE to send them" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MODEL_BASE_URL": "http://bob:pw@127.0.0.1:8000/v1"}, {"model_api_key_file": str(key_file)})
+    assert "is not valid with --model-api-key-file set" in str(caught.value)
+    assert "leave out --model-api-key-file to send them" in str(caught.value)
 
 
 def test_check_shows_the_key_file_and_never_the_key(tmp_path: Path) -> None:
