@@ -71,13 +71,13 @@ MAX_COUNT = 1_000_000  # far past any sensible count of model calls or connectio
 
 # Plain ASCII decimals: Python's int() and float() also read "1_000" and other scripts' digits,
 # which no other program reading the same environment would take for these numbers.
-_WHOLE = re.compile(r"[+-]?[0-9]+")
+WHOLE_NUMBER = re.compile(r"[+-]?[0-9]+")
 _DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 def _whole(text: str, low: int, high: int, what: str) -> int:
     text = text.strip()
-    value = int(text) if _WHOLE.fullmatch(text) else low - 1
+    value = int(text) if WHOLE_NUMBER.fullmatch(text) else low - 1
     if not low <= value <= high:
         raise ValueError(what)
     return value
@@ -456,11 +456,10 @@ class Config:
                 _may_listen_at(values.get("host", defaults.host), port)
             except ValueError as exc:
                 problems["port"] = f"{sources['port']}={str(port)!r} is not valid: {exc}"
-        key_file, key_from = values.get("model_api_key_file"), sources["model_api_key"]
-        drop_key = f"unset {key_from}"
+        key_file = values.get("model_api_key_file")
+        key_from = sources["model_api_key" if key_file is None else "model_api_key_file"]
+        drop_key = f"unset {key_from}" if key_from.startswith(SETTING_PREFIX) else f"leave out {key_from}"
         if key_file is not None:
-            key_from = sources["model_api_key_file"]
-            drop_key = f"unset {key_from}" if key_from.startswith(SETTING_PREFIX) else f"leave out {key_from}"
             if "model_api_key" in values or "model_api_key" in problems:
                 problems["model_api_key_file"] = (
                     f"AGENT_MODEL_API_KEY and {key_from} are both set; give the key one way: unset AGENT_MODEL_API_KEY"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from persistence.statedir import StateError, UnusableStateDir, is_db_name, try_s
 from runtime.agents import app_version
 from runtime.config import (
     BACKUP_ROOT_ENV,
+    WHOLE_NUMBER,
     ConfigError,
     default_backup_root,
     directory_given,
@@ -90,8 +90,8 @@ def _add_state_dir(parser: argparse.ArgumentParser) -> None:
 
 
 def _positive(text: str) -> int:
-    # Plain digits: int() also reads "1_0" (as 10) and the digits of other scripts.
-    if not re.fullmatch(r"\s*[0-9]+\s*", text):
+    # Plain digits, as the settings take them: int() also reads "1_0" (as 10) and the digits of other scripts.
+    if not WHOLE_NUMBER.fullmatch(text.strip()):
         raise argparse.ArgumentTypeError(f"must be a whole number in the digits 0-9, got {text!r}")
     value = int(text)
     if value < 1:

@@ -552,7 +552,6 @@ async def test_a_second_server_on_the_same_state_directory_is_refused_and_leaves
         assert await keel.terminate() == 0
 
 
-
 async def test_a_reset_after_the_server_stopped_removes_its_databases_and_keeps_its_three_lock_files(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
