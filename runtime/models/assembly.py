@@ -34,8 +34,8 @@ class StreamAssembler:
     """Feed it the lines of the response body; it returns the deltas each line completes.
 
     ``done`` turns true at ``data: [DONE]``. Raises ModelBadResponse for a chunk that is not a chat
-    completion chunk and for a stream that ends before the model finished; ModelUnavailable for an
-    error the server reports in the stream.
+    completion chunk; ModelUnavailable for an error the server reports in the stream, and for a
+    stream that ends before the model finished.
     """
 
     model: str
@@ -103,14 +103,17 @@ class StreamAssembler:
 
     def end_of_stream(self, *, cut_off: bool = False) -> list[Delta]:
         """The body ended. A server that finished but sent no ``[DONE]`` is forgiven; one that
-        stopped before the model finished is not. ``cut_off``: the connection broke, so an event
+        stopped before the model finished is not: it failed in the middle of the answer, as one
+        whose connection breaks there does (Ollama ends the body so when its model fails, the
+        error read as a chunk holding nothing). ``cut_off``: the connection broke, so an event
         still being collected is a fragment, and dropped."""
         if cut_off:
             self._data.clear()
         deltas = self._dispatch()
         if not self.done:
             if not self._finish_reason:
-                raise ModelBadResponse(self.model, "the stream ended before the model finished its answer")
+                detail = "the body ended with no finish_reason and no [DONE]; the model server's own log may say why"
+                raise ModelUnavailable(self.model, "the stream ended before the model finished its answer", detail=detail)
             self.done = True
             deltas.extend(self._final_usage())
         return deltas

@@ -122,10 +122,13 @@ class ModelClient:
         return self.config.endpoint
 
     async def list_models(self) -> tuple[str, ...]:
-        """The ids in the server's catalog (``GET {base}/models``). Raises a ModelError subclass."""
+        """The ids in the server's catalog (``GET {base}/models``). Raises a ModelError subclass.
+        A catalog whose list is null lists none: Ollama's, with no model pulled yet."""
         response = await self._open("GET", "models", None, accept="application/json", waiting_for="the catalog")
         data = await self._read_json(response)
-        entries = data.get("data") if isinstance(data, dict) else None
+        entries = data.get("data", ()) if isinstance(data, dict) else ()
+        if entries is None:  # Ollama's, with no model pulled yet
+            entries = []
         if not isinstance(entries, list):
             raise ModelBadResponse(self.config.model, "the model catalog has no list of models")
         return tuple(entry["id"] for entry in entries if isinstance(entry, dict) and isinstance(entry.get("id"), str))

@@ -20,7 +20,7 @@ import os
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Protocol, TypeVar, TypeVarTuple
+from typing import Protocol, TypeVar, TypeVarTuple, runtime_checkable
 
 import attrs
 import trio
@@ -54,6 +54,18 @@ class ModelCatalog(Protocol):
         """Where it asks, as an operator may be shown it: no credentials, no query."""
 
     async def has_model(self, name: str | None = None) -> bool: ...
+
+
+@runtime_checkable
+class ListsModels(Protocol):
+    """A catalog that can also say what it lists (runtime.models.ModelClient can): the log names
+    that, when the model is absent from it, for the operator to give the name it knows."""
+
+    async def list_models(self) -> tuple[str, ...]: ...
+
+
+# How many of the catalog's names the log gives when the model is not among them.
+LISTED_NAMES = 10
 
 
 @attrs.define(eq=False)
@@ -212,8 +224,22 @@ class Health:
             return None
         return self._found(
             f"model unavailable: {name!r} is absent from the model server's catalog",
-            "readiness: model %r is absent from the catalog of the model server at %s", name, endpoint,
+            "readiness: model %r is absent from the catalog of the model server at %s%s", name, endpoint, await self._listed(),
         )  # fmt: skip
+
+    async def _listed(self) -> str:
+        """What the catalog lists, for the log line saying the model is not there: a server that
+        answers with the one model it serves (llama.cpp's) is found under its name alone."""
+        if not isinstance(self.model, ListsModels):
+            return ""
+        try:
+            names = await self.model.list_models()
+        except ModelError:  # read a moment ago; gone again, it is the next check's to say
+            return ""
+        if not names:
+            return ", which lists no model"
+        more = f" and {len(names) - LISTED_NAMES} more" if len(names) > LISTED_NAMES else ""
+        return f", which lists {', '.join(map(repr, names[:LISTED_NAMES]))}{more}"
 
 
 def _touch_and_measure(state_dir: Path) -> int:

@@ -61,6 +61,10 @@ def _calls(calls: Iterable[Call]) -> tuple[Call, ...]:
 # How llama.cpp's server reported a failure in the middle of a stream until late 2025: a field of
 # its own, which the event-stream rules ignore, followed by [DONE].
 LLAMA_CPP_ERROR = 'error: {"code": 500, "message": "the model failed mid-answer", "type": "server_error"}'
+# How Ollama's OpenAI-compatible API ends a stream its model failed in the middle of (its runner
+# crashed, say): the error its chat handler streams is read as one more chunk, which holds nothing
+# but the role, and the body ends there, cleanly, with no finish_reason and no [DONE].
+OLLAMA_ERROR = 'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "", "system_fingerprint": "fp_ollama", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}'
 
 
 @attrs.frozen
@@ -83,7 +87,8 @@ class Reply:
     ``content_parts`` sends content (and reasoning) as lists of typed parts, as Mistral's API does
     for its reasoning models. ``same_call_index`` gives every call index 0, as Ollama streams
     parallel calls. ``error_after_chunks=N`` sends N events, then ``error_event`` (written as it
-    is) and ``[DONE]``, as a server that fails mid-answer does. ``raw_bytes`` sends the surrogate
+    is) and ``[DONE]``, as a server that fails mid-answer does; with ``done_after_error`` false, the
+body ends after ``error_event``, with no ``[DONE]`` (Ollama: see OLLAMA_ERROR). ``raw_bytes`` sends the surrogate
     escapes in the text and arguments (U+DC80 to U+DCFF, which ``bytes.decode("utf-8", "surrogateescape")``
     makes of bytes that are not UTF-8) as the bytes they stand for: a server that cut a character's
     UTF-8 bytes apart.
@@ -110,6 +115,7 @@ class Reply:
     same_call_index: bool = False
     error_after_chunks: int | None = None
     error_event: str = LLAMA_CPP_ERROR
+    done_after_error: bool = True
     prompt_tokens: int = 12
     completion_tokens: int = 8
     raw_bytes: bool = False
@@ -158,6 +164,8 @@ class FakeModel:
     script: list[ScriptItem] = attrs.field(factory=list, converter=_script)
     default: ScriptItem | None = None
     models: tuple[str, ...] = attrs.field(default=(DEFAULT_MODEL,), converter=_names)
+    # An empty catalog lists its models as null rather than [], as Ollama's does with none pulled.
+    null_when_empty: bool = False
     api_key: str | None = None
     # Refuse, as many chat templates do, a conversation with two user messages in a row.
     alternate_roles: bool = False
@@ -229,7 +237,7 @@ class FakeModel:
 
     def _catalog(self) -> dict[str, Any]:
         entries = [{"id": name, "object": "model", "created": 0, "owned_by": "keel-fake"} for name in self.models]
-        return {"object": "list", "data": entries}
+        return {"object": "list", "data": entries or (None if self.null_when_empty else [])}
 
     async def _chat(self, request: Any, receive: Receive, send: Send) -> None:
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
@@ -361,7 +369,8 @@ async def _send_stream(send: Send, reply: Reply, events: Iterator[str], exchange
             return  # returning before the body is complete makes hypercorn drop the connection
         if sent == reply.error_after_chunks:
             exchange.complete = True
-            failed = f"{reply.error_event}\n\ndata: [DONE]\n\n".encode()
+            done = "data: [DONE]\n\n" if reply.done_after_error else ""
+            failed = f"{reply.error_event}\n\n{done}".encode()
             await send({"type": "http.response.body", "body": failed, "more_body": False})
             return
         if sent == reply.hang_after_chunks:  # a stalled model; ends when the client goes away

@@ -92,6 +92,27 @@ async def test_a_model_healthz_finds_unusable_is_logged_naming_it_and_its_server
     assert SECRET not in caplog.text and SECRET not in health.text
 
 
+@pytest.mark.parametrize(
+    ("listed", "named"),
+    [
+        # llama.cpp's server lists the one model it serves by its file's path, unless given an alias.
+        pytest.param(("models/Qwen3-4B-Instruct-Q4_K_M.gguf",), "which lists 'models/Qwen3-4B-Instruct-Q4_K_M.gguf'", id="llama.cpp"),
+        pytest.param(tuple(f"model-{number}:latest" for number in range(12)), "'model-9:latest' and 2 more", id="many"),
+        pytest.param((), "which lists no model", id="none"),
+    ],
+)
+async def test_a_model_absent_from_the_catalog_is_logged_with_what_the_catalog_lists(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, listed: tuple[str, ...], named: str
+) -> None:
+    model: FakeModel = await nursery.start(FakeModel(models=listed).serve)
+    async with httpx.AsyncClient(timeout=30) as client, running_server(tmp_path / "state", model.base_url) as server:
+        health = await client.get(server.url + "healthz")
+    assert health.status_code == 503 and "absent from the model server's catalog" in health.text
+    [line] = said(caplog, "readiness")
+    assert named in line.getMessage(), line.getMessage()
+    assert not listed or listed[0] not in health.text  # the server's words are the log's alone
+
+
 async def test_a_store_that_fails_under_a_send_is_logged_once(
     tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_model import ErrorReply, Reply
+from fake_model import OLLAMA_ERROR, ErrorReply, Reply
 
 from tests.runtime.agent_support import refuse_writes_of_events
 from tests.runtime.served import Served
@@ -34,8 +34,13 @@ async def followed(keel: Served, failed: dict[str, Any], text: str, version: str
 @BOTH
 @pytest.mark.parametrize(
     "down",
-    [ErrorReply(503), ErrorReply(429), Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3)],
-    ids=["http-503", "http-429", "error-mid-answer"],
+    [
+        ErrorReply(503),
+        ErrorReply(429),
+        Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3),
+        Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3, error_event=OLLAMA_ERROR, done_after_error=False),
+    ],
+    ids=["http-503", "http-429", "error-mid-answer", "ollama-error-mid-answer"],
 )
 async def test_a_model_server_failing_for_a_moment_fails_the_task_saying_to_send_again_which_is_then_answered(
     keel: Served, version: str | None, down: ErrorReply | Reply

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
-from fake_model import Call, ErrorReply, FakeModel, Reply
+from fake_model import OLLAMA_ERROR, Call, ErrorReply, FakeModel, Reply
 
 from persistence.session import Session
 from persistence.sessions import open_session_store
@@ -50,6 +50,23 @@ async def test_an_error_reported_mid_stream_in_another_shape_fails_the_answer_ra
                 partial = chunks.partial_message()
     assert raised.value.reason == "the server reported an error in the middle of the answer"
     assert "the model failed mid-answer" in raised.value.detail
+    assert (partial.text, partial.partial) == ("The lease ", True)
+
+
+async def test_a_stream_ollama_ends_when_its_model_fails_mid_answer_fails_as_a_failure_that_may_pass(fake_model: FakeModel) -> None:
+    # Ollama's OpenAI-compatible API turns the error into a chunk holding nothing and ends the body
+    # there, cleanly: no finish_reason, no [DONE]. Not an answer that cannot be read: the server failed.
+    reply = Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3, error_event=OLLAMA_ERROR, done_after_error=False)
+    fake_model.script = [reply]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=0)) as client:
+            async with client.stream(ASK) as chunks:
+                with pytest.raises(ModelUnavailable) as raised:
+                    async for _ in chunks:
+                        pass
+                partial = chunks.partial_message()
+    assert raised.value.reason == "the stream ended before the model finished its answer"
+    assert raised.value.may_pass
     assert (partial.text, partial.partial) == ("The lease ", True)
 
 

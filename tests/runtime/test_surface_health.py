@@ -91,6 +91,17 @@ async def test_healthz_accumulates_every_problem(keel: Served, tmp_path: Path) -
     ]
 
 
+@pytest.mark.parametrize("null_when_empty", [False, True], ids=["empty-list", "null-as-ollama"])
+async def test_healthz_says_the_model_is_absent_from_a_catalog_that_lists_none(
+    fake_model: FakeModel, tmp_path: Path, null_when_empty: bool
+) -> None:
+    # A fresh Ollama, nothing pulled yet, lists its models as null: the catalog was read, and the
+    # model is not in it, which `ollama pull` mends; the server is not failing.
+    fake_model.models, fake_model.null_when_empty = (), null_when_empty
+    problems = await model_problems(fake_model, tmp_path, ModelConfig(base_url=fake_model.base_url, max_retries=0))
+    assert problems == ["model unavailable: 'qwen3:4b-instruct' is absent from the model server's catalog"]
+
+
 async def test_healthz_reports_a_state_directory_too_full_to_store_a_turn(fake_model: FakeModel, tmp_path: Path) -> None:
     # An empty file can be made on a full disk, so making one proves little; the room left is
     # what a turn needs. Here "too full" is set past what any disk has free.
