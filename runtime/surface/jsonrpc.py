@@ -103,6 +103,13 @@ def _is_json(content_type: str | None) -> bool:
     return media == JSON_TYPE or (media.startswith("application/") and media.endswith("+json"))
 
 
+def _version_parameter() -> str | None:
+    """The ``A2A-Version`` query parameter, its name in any case: a service parameter's key is
+    case-insensitive (spec 1.0 §3.2.6), as a header's name is."""
+    wanted = VERSION_HEADER.lower()
+    return next((value for name, value in request.args.items(multi=True) if name.lower() == wanted), None)
+
+
 @attrs.frozen
 class _SentTask:
     """A send's 1.0 result, ``{"task": ...}``, whose task is encoded already: ``task_json``,
@@ -174,7 +181,7 @@ class JsonRpcEndpoint:
     keepalive_s: float
 
     async def handle(self) -> Response:
-        header = request.headers.get(VERSION_HEADER) or request.args.get(VERSION_HEADER)
+        header = request.headers.get(VERSION_HEADER) or _version_parameter()
         if not _is_json(request.content_type):
             error = InvalidRequest(f"the body must be sent as {JSON_TYPE}, not {request.content_type!r}")
             return _refusal(error_response(None, error, response_version(None, header)))

@@ -923,6 +923,14 @@ async def test_the_version_may_be_a_patch_release_or_a_query_parameter(keel: Ser
     check_error(response.json()["error"], -32001, V1, "TASK_NOT_FOUND")
 
 
+@pytest.mark.parametrize("query", ["a2a-version=1.0", "A2A-VERSION=1.0"])
+async def test_the_version_query_parameter_is_read_whatever_the_case_of_its_name(keel: Served, query: str) -> None:
+    # A service parameter's key is case-insensitive (spec 1.0 §3.2.6), sent as a header or a parameter.
+    with trio.fail_after(DEADLINE_S):
+        response = await keel.http.post(f"/?{query}", json=keel.body("GetTask", {"id": "x"}))
+    check_error(response.json()["error"], -32001, V1, "TASK_NOT_FOUND")
+
+
 # -- malformed requests -----------------------------------------------------------------------
 
 
