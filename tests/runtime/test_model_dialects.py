@@ -26,37 +26,28 @@ from tests.runtime.test_models import ASK, DEADLINE_S, config_for, read_stream, 
 VAULT = '{"service": "vault"}'
 
 
+MID_ANSWER = "the server reported an error in the middle of the answer"
+ENDED_EARLY = "the stream ended before the model finished its answer"
+
+
 @pytest.mark.parametrize(
-    "error_event",
+    ("error_event", "done_after_error", "reason"),
     [
         # llama.cpp's server until late 2025 (ggml-org/llama.cpp#16109): a field of its own.
-        'error: {"code": 500, "message": "the model failed mid-answer", "type": "server_error"}',
+        ('error: {"code": 500, "message": "the model failed mid-answer", "type": "server_error"}', True, MID_ANSWER),
         # The event-stream rules' own way, whatever the data's shape.
-        'event: error\ndata: {"message": "the model failed mid-answer"}',
+        ('event: error\ndata: {"message": "the model failed mid-answer"}', True, MID_ANSWER),
+        # Ollama's OpenAI-compatible API turns the error into a chunk holding nothing and ends the
+        # body there, cleanly: no finish_reason, no [DONE]. Not an unreadable answer: the server failed.
+        (OLLAMA_ERROR, False, ENDED_EARLY),
     ],
-    ids=["llama.cpp-error-field", "error-event"],
+    ids=["llama.cpp-error-field", "error-event", "ollama-body-ended"],
 )
 async def test_an_error_reported_mid_stream_in_another_shape_fails_the_answer_rather_than_end_it(
-    fake_model: FakeModel, error_event: str
+    fake_model: FakeModel, error_event: str, done_after_error: bool, reason: str
 ) -> None:
-    # Both are followed by [DONE]: read as nothing, the text so far would pass for the whole answer.
-    fake_model.script = [Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3, error_event=error_event)]
-    with trio.fail_after(DEADLINE_S):
-        async with open_model_client(config_for(fake_model, max_retries=0)) as client:
-            async with client.stream(ASK) as chunks:
-                with pytest.raises(ModelUnavailable) as raised:
-                    async for _ in chunks:
-                        pass
-                partial = chunks.partial_message()
-    assert raised.value.reason == "the server reported an error in the middle of the answer"
-    assert "the model failed mid-answer" in raised.value.detail
-    assert (partial.text, partial.partial) == ("The lease ", True)
-
-
-async def test_a_stream_ollama_ends_when_its_model_fails_mid_answer_fails_as_a_failure_that_may_pass(fake_model: FakeModel) -> None:
-    # Ollama's OpenAI-compatible API turns the error into a chunk holding nothing and ends the body
-    # there, cleanly: no finish_reason, no [DONE]. Not an answer that cannot be read: the server failed.
-    reply = Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3, error_event=OLLAMA_ERROR, done_after_error=False)
+    # Read as nothing, the text so far would pass for the whole answer.
+    reply = Reply(text="The lease expired because", chunk_chars=5, error_after_chunks=3, error_event=error_event, done_after_error=done_after_error)
     fake_model.script = [reply]
     with trio.fail_after(DEADLINE_S):
         async with open_model_client(config_for(fake_model, max_retries=0)) as client:
@@ -65,8 +56,8 @@ async def test_a_stream_ollama_ends_when_its_model_fails_mid_answer_fails_as_a_f
                     async for _ in chunks:
                         pass
                 partial = chunks.partial_message()
-    assert raised.value.reason == "the stream ended before the model finished its answer"
-    assert raised.value.may_pass
+    assert (raised.value.reason, raised.value.may_pass) == (reason, True)
+    assert reason == ENDED_EARLY or "the model failed mid-answer" in raised.value.detail
     assert (partial.text, partial.partial) == ("The lease ", True)
 
 
