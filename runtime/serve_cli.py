@@ -103,6 +103,9 @@ def _check(args: argparse.Namespace) -> int:
         backups = backup_root(os.environ, None if config is None else config.state_dir)
     except ValueError as exc:
         problems.append(f"{BACKUP_ROOT_ENV}={os.environ.get(BACKUP_ROOT_ENV)!r} is not valid: {exc}")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if too_few := _too_few_files(soft if hard == resource.RLIM_INFINITY else hard):  # the limit serve takes
+        problems.append(too_few)
     older: list[str] = []
     if config is not None and not problems:
         try:
@@ -148,6 +151,10 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    _take_file_limit()
+    if too_few := _too_few_files(resource.getrlimit(resource.RLIMIT_NOFILE)[0]):
+        print(f"error: {too_few}", file=sys.stderr)
+        return 1
     handler = LogHandler()
     handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
@@ -155,7 +162,6 @@ def _serve(args: argparse.Namespace, **options: Any) -> int:
         logging.getLogger(chatty).setLevel(logging.WARNING)
     if foreign := foreign_settings(os.environ):
         logging.getLogger(__name__).warning("ignoring %s: not settings Keel knows, nor like one", ", ".join(foreign))
-    _take_file_limit()
     failures: list[BaseException] = []
     try:
         trio.run(functools.partial(_main, config, **options))
@@ -177,6 +183,21 @@ def _take_file_limit() -> None:
     if soft != hard:
         with contextlib.suppress(OSError, ValueError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# Fewer open files than this, and serve's start would fail where it ran out of them (saying that a
+# database failed, or that the address cannot be listened on), or it could serve hardly anyone.
+MIN_FILE_LIMIT = 32
+
+
+def _too_few_files(limit: int) -> str | None:
+    """The problem of a limit on open files too low to serve with, if ``limit`` is one."""
+    if limit == resource.RLIM_INFINITY or limit >= MIN_FILE_LIMIT:
+        return None
+    return (
+        f"serve may have at most {limit} files open (ulimit -n), and needs {MIN_FILE_LIMIT}: it holds about 20 of"
+        " its own, and one more for each client connection and each model connection; raise the limit"
+    )
 
 
 # Line breaks and terminal controls, spelled as Python spells them (\n, \x1b, \u2028). A log line names

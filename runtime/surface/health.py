@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from persistence.databases import SESSIONS_FILE, TASKS_FILE
+from persistence.errors import DatabaseFailed
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.sqlite import Schema, inspect
 from persistence.statedir import MIN_FREE_BYTES, free_bytes, nearly_full
@@ -257,10 +258,31 @@ def _inspect_existing(path: Path, schema: Schema, still_opened: Callable[[], Non
         raise _Missing(path)
     if still_opened is not None:
         still_opened()
-    # sqlite3 says only that it cannot open the file: a process out of descriptors is told here.
-    # By opening its directory, never the file: closing a descriptor of the file would let go of
-    # every POSIX lock this process holds on it, the server's connection's among them, and the
-    # next process to close the database (a snapshot) would then take the -wal for unused and
-    # remove it while the server goes on writing there.
-    os.close(os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY))
-    inspect(path, schema)
+    _descriptors_free(path.parent)
+    try:
+        inspect(path, schema)
+    except DatabaseFailed:
+        # Descriptors another check held a moment ago (or a client's) may have been what SQLite
+        # could not open: with as many free now, the file is tried once more, and its failure stands.
+        _descriptors_free(path.parent)
+        inspect(path, schema)
+
+
+# What inspect's read-only connection opens: the database, its -wal and its -shm.
+INSPECT_DESCRIPTORS = 3
+
+
+def _descriptors_free(directory: Path) -> None:
+    """Raise OSError (EMFILE) unless this process can open as many descriptors as ``inspect``
+    needs: sqlite3 says only that it cannot open the file, and a process out of descriptors is
+    told here. By opening the file's directory, never the file: closing a descriptor of the file
+    would let go of every POSIX lock this process holds on it, the server's connection's among
+    them, and the next process to close the database (a snapshot) would then take the -wal for
+    unused and remove it while the server goes on writing there."""
+    opened: list[int] = []
+    try:
+        for _ in range(INSPECT_DESCRIPTORS):
+            opened.append(os.open(directory, os.O_RDONLY | os.O_DIRECTORY))
+    finally:
+        for fd in opened:
+            os.close(fd)

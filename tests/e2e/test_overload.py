@@ -32,11 +32,12 @@ def open_files(keel: KeelProcess) -> int:
 
 
 @asynccontextmanager
-async def the_last_descriptor_taken(keel: KeelProcess) -> AsyncIterator[trio.SocketStream]:
+async def the_last_descriptor_taken(keel: KeelProcess, *, free: int = 0) -> AsyncIterator[trio.SocketStream]:
     """A connection the server has taken with the last of its file descriptors: idle connections
     are opened until it can accept no more, then one more waits in its listen queue, and as many
-    of the others close as to let it in (and those queued before it). Within hypercorn's
-    keep-alive timeout (5 s) of the first, the server closes none of the others."""
+    of the others close as to let it in (and those queued before it), and ``free`` more, left
+    free. Within hypercorn's keep-alive timeout (5 s) of the first, the server closes none of the
+    others."""
     address = urlsplit(keel.url)
     assert address.hostname is not None and address.port is not None
     before = open_files(keel)
@@ -52,8 +53,11 @@ async def the_last_descriptor_taken(keel: KeelProcess) -> AsyncIterator[trio.Soc
                 await trio.sleep(0.005)
         waiting = len(held) - (FILE_LIMIT - before)  # opened, still in the listen queue
         async with await trio.open_tcp_stream(address.hostname, address.port) as last:
-            for stream in held[: waiting + 1]:
+            for stream in held[: waiting + 1 + free]:
                 await stream.aclose()
+            with trio.fail_after(DEADLINE_S):
+                while open_files(keel) > FILE_LIMIT - free:
+                    await trio.sleep(0.005)  # polling the server's descriptors against the deadline
             yield last
     finally:
         for stream in held:
@@ -134,6 +138,26 @@ async def test_healthz_in_a_server_out_of_file_descriptors_names_the_limit_not_i
             f" a connection to it: it has as many files open as its limit allows ({FILE_LIMIT}: ulimit -n)",
         ], answer
         assert await keel.terminate() == 0
+
+
+async def test_healthz_in_a_server_a_descriptor_short_of_what_a_store_check_needs_names_the_limit_not_the_store(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # A store's check made sure one descriptor was free, then SQLite needed three (the file, its
+    # -wal and its -shm): with two free, it said the file was not usable, sending the operator to
+    # a database that was fine.
+    async with started_keel(limited(tmp_path / "state", fake_model.base_url)) as keel:
+        async with the_last_descriptor_taken(keel, free=2) as last:
+            status, answer = await exchange(last, keel.url, b"GET /healthz HTTP/1.1\r\n")
+        assert status == b"HTTP/1.1 503 ", (status, answer)
+        problems = answer["problems"]
+        limit = f"this server has as many files open as its limit allows ({FILE_LIMIT}: ulimit -n)"
+        assert f"session store cannot be checked: {limit}" in problems, problems
+        assert f"task store cannot be checked: {limit}" in problems, problems
+        # The free descriptors may go to the state directory's check, or to the model's.
+        assert all(f"({FILE_LIMIT}: ulimit -n)" in problem for problem in problems), problems
+        assert await keel.terminate() == 0
+    assert "not usable" not in keel.output.decode()
 
 
 async def test_a_drain_that_cancels_hundreds_of_runs_waiting_for_the_model_ends_soon_after_its_timeout(

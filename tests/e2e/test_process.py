@@ -35,6 +35,7 @@ from tests.e2e.harness import (
     rpc,
     serve_command,
     run_serve_to_exit,
+    run_to_exit,
     started_keel,
     stored_task,
     stream,
@@ -892,6 +893,32 @@ async def test_serve_raises_its_open_files_limit_to_the_most_it_may_have(tmp_pat
         assert await keel.terminate() == 0
     (open_files,) = [line.split()[3:5] for line in limits.splitlines() if line.startswith("Max open files")]
     assert open_files == ["2048", "2048"], limits
+
+
+TOO_FEW_FILES = (
+    "serve may have at most 16 files open (ulimit -n), and needs 32: it holds about 20 of its own, and one"
+    " more for each client connection and each model connection; raise the limit"
+)
+
+
+async def test_serve_allowed_too_few_open_files_says_so_not_that_its_database_or_its_address_failed(tmp_path: Path) -> None:
+    # Its start ran out of descriptors where it happened to: it said tasks.db had failed ("unable
+    # to open database file"), or that it could not listen, to check the host and the port.
+    limited = ["sh", "-c", 'ulimit -n 16 && exec "$@"', "sh"]
+    result = await run_to_exit([*limited, *serve_command(tmp_path / "state", "http://127.0.0.1:9/v1")])
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", f"error: {TOO_FEW_FILES}\n")
+    assert not (tmp_path / "state").exists()
+
+
+async def test_check_says_when_serve_would_be_allowed_too_few_open_files(tmp_path: Path) -> None:
+    # The hard limit is the one serve takes.
+    limited = ["sh", "-c", 'ulimit -Sn 16 && ulimit -Hn 16 && exec "$@"', "sh"]
+    check = [sys.executable, "-m", "runtime", "check", "--port", "0", "--state-dir", str(tmp_path / "state")]
+    result = await run_to_exit([*limited, *check])
+    assert result.returncode == 1, result
+    assert f"  - {TOO_FEW_FILES}\n" in result.stderr, result.stderr
+    raised = await run_to_exit(["sh", "-c", 'ulimit -Sn 16 && ulimit -Hn 64 && exec "$@"', "sh", *check])
+    assert raised.returncode == 0, raised
 
 
 async def test_a_server_out_of_file_descriptors_says_so_in_one_line_and_serves_again_once_some_close(
