@@ -97,6 +97,7 @@ async def _accept(
     listener: trio.SocketListener, connections: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
 ) -> None:
     starved_logged_at = -STARVED_LOG_EVERY_S
+    starved_since: float | None = None  # when the warning last said it could not accept
     async with listener:
         while True:
             try:
@@ -106,6 +107,7 @@ async def _accept(
                     raise
                 if trio.current_time() - starved_logged_at >= STARVED_LOG_EVERY_S:
                     starved_logged_at = trio.current_time()
+                    starved_since = starved_since if starved_since is not None else starved_logged_at
                     logger.warning(
                         "cannot accept connections: %s; they wait in the listen queue until some close."
                         " Raise the limit, or find what holds so many connections (said at most once a minute)",
@@ -113,6 +115,9 @@ async def _accept(
                     )
                 await trio.sleep(ACCEPT_RETRY_S)
             else:
+                if starved_since is not None:  # once for each warning at most: never a flood
+                    logger.info("accepting connections again, %.0f s after it could not", trio.current_time() - starved_since)
+                    starved_since = None
                 connections.start_soon(handler, stream)
 
 

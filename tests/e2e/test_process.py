@@ -944,6 +944,9 @@ async def test_a_server_out_of_file_descriptors_says_so_in_one_line_and_serves_a
         assert await keel.terminate() == 0
     output = keel.output.decode()
     assert output.count("cannot accept connections") == 1, output
+    # And when it can again: the operator reading the warning learns it has passed.
+    assert output.count("accepting connections again") == 1, output
+    assert output.index("cannot accept connections") < output.index("accepting connections again")
     assert "as many files open as its limit allows (64: ulimit -n)" in output and "Traceback" not in output
 
 
