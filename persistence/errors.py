@@ -5,6 +5,7 @@ StoreError
 ├── InvalidEvent         content that cannot be stored (not JSON, too large); nothing was written
 ├── TranscriptConflict   a save that does not extend the stored transcript
 ├── InvalidTask          a task whose id or columns cannot be stored; nothing was written
+├── UnreadableTask       a stored task whose JSON cannot be read: its row was damaged, or written by hand
 ├── TaskExists           create() with an id that is already taken
 ├── MessageTaken         create() with a first message id the owner's other task already has
 ├── TaskNotFound         no such task for this owner
@@ -13,6 +14,7 @@ StoreError
 │   └── PageOfOtherListing   a page token sent with filters other than those it was given with
 ├── SchemaError          a database file whose schema this build cannot use
 ├── DatabaseFailed       SQLite failed (disk full, I/O error, locked too long); the call wrote nothing
+│   ├── DatabaseDamaged  SQLite found a page of the file damaged: it stays so until the file is restored
 │   └── DatabaseBusy     opening: another program held the file past the busy timeout
 └── StateError           (persistence.statedir) snapshots, restore and recovery
 """
@@ -76,6 +78,17 @@ class InvalidTask(StoreError):
     def __init__(self, task_id: str, reason: str) -> None:
         self.task_id = task_id
         super().__init__(f"task {task_id!r} cannot be stored: {reason}; nothing was written")
+
+
+class UnreadableTask(StoreError):
+    """A task whose stored JSON this build cannot read: the row was damaged, or written by hand."""
+
+    def __init__(self, task_id: str, problem: str) -> None:
+        self.task_id = task_id
+        super().__init__(
+            f"task {task_id!r} in tasks.db cannot be read ({problem}); restore a snapshot taken before it was"
+            " damaged (python -m runtime state restore)"
+        )
 
 
 class TaskExists(StoreError):
@@ -159,6 +172,28 @@ class DatabaseGone(DatabaseFailed):
                 " (it would be lost); put the file back, or restart the server to use the file now there"
             )
         StoreError.__init__(self, message)
+
+
+# What to do about a database file that is damaged, or that lost what it held.
+RESTORE_FIX = (
+    "Restore a good snapshot with the server stopped (python -m runtime state restore SNAPSHOT), or start again with no"
+    " state at all (python -m runtime state reset)"
+)
+
+
+class DatabaseDamaged(DatabaseFailed):
+    """SQLite found a page of the file damaged (a disk that failed, a file written by something
+    else): not an outage that passes, and what is stored there stays unreadable until the file
+    is restored. The message names the file and what to do; SQLite's words are the cause."""
+
+    def __init__(self, path: object, *, first: bool = True) -> None:
+        self.path = path
+        self.first = first  # the first time this server found the file damaged: the one to log
+        StoreError.__init__(
+            self,
+            f"{path}: the database file is damaged (a page of it is not what SQLite wrote), so what is stored on that"
+            f" page can be neither read nor written. {RESTORE_FIX}",
+        )
 
 
 class DatabaseBusy(DatabaseFailed):

@@ -22,13 +22,13 @@ from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from persistence.databases import check_servable
-from persistence.errors import SchemaError, StoreError
+from persistence.databases import SCHEMAS, check_servable, check_together
+from persistence.errors import RESTORE_FIX, SchemaError, StoreError
 from persistence.manifest import FORMAT_VERSION, MANIFEST_NAME, MARKER_NAME, DatabaseEntry, Manifest, check_supported
 from persistence.recovery import recover, recover_locked
 from persistence.refusals import cannot_create, not_a_directory_to_use, refusal, write_refused
 from persistence.schema import read_identity
-from persistence.sqlite import create_private, immutable_uri
+from persistence.sqlite import create_private, damaged, immutable_uri
 from persistence.statedir import (
     DIR_MODE,
     PRIVATE_MODE,
@@ -275,6 +275,7 @@ def _write_snapshot(
         os.chmod(staging, DIR_MODE)
         with _read_together(state_dir, names, immutable=immutable) as sources:
             entries = tuple(_copy_database(state_dir / name, src, staging / name) for name, src in zip(names, sources))
+        _check_together(state_dir, staging, entries)
         manifest = Manifest(
             created_at=now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             application=APPLICATION,
@@ -323,7 +324,7 @@ def _read_together(state_dir: Path, names: list[str], *, immutable: bool) -> Ite
                 src.execute("BEGIN")
                 src.execute("SELECT count(*) FROM sqlite_master").fetchone()  # the read transaction starts here
             except sqlite3.Error as exc:
-                raise SnapshotError(f"{source} could not be copied: {exc}") from exc
+                raise _not_copied(source, exc) from exc
             sources.append(src)
         yield sources
 
@@ -340,20 +341,32 @@ def _copy_database(source: Path, src: sqlite3.Connection, copy: Path) -> Databas
             dst.execute("PRAGMA journal_mode=DELETE")
             problems = [row[0] for row in dst.execute("PRAGMA integrity_check(10)")]
             if problems != ["ok"]:
-                raise SnapshotError(f"{source} failed its integrity check: {'; '.join(map(str, problems))}")
+                raise SnapshotError(
+                    f"{source} is damaged (SQLite's integrity check of it found: {'; '.join(map(str, problems))}), so no"
+                    f" snapshot of it was written. {RESTORE_FIX}"
+                )
             identity = read_identity(dst)
         finally:
             dst.close()
     except sqlite3.Error as exc:
         if getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL:  # the copy's disk: the source is read
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(copy)) from exc
-        raise SnapshotError(f"{source} could not be copied: {exc}") from exc
+        raise _not_copied(source, exc) from exc
     check_supported(f"{source}", identity, fix="snapshot it with a build that supports it")
     _check_servable(source, copy)
     with open(copy, "rb+") as handle:
         os.fsync(handle.fileno())
     evidence = file_evidence(copy)
     return DatabaseEntry(filename=copy.name, sha256=evidence.sha256, size_bytes=evidence.size_bytes, schema=identity)
+
+
+def _not_copied(source: Path, exc: sqlite3.Error) -> SnapshotError:
+    """Why the database ``source`` could not be copied: it is damaged, or SQLite failed to read it."""
+    if damaged(exc):
+        return SnapshotError(
+            f"{source} is damaged (it cannot be read as a database), so no snapshot of it was written. {RESTORE_FIX}"
+        )
+    return SnapshotError(f"{source} could not be copied: {exc}")
 
 
 def _check_servable(source: Path, copy: Path) -> None:
@@ -368,6 +381,20 @@ def _check_servable(source: Path, copy: Path) -> None:
         ) from exc
     except StoreError as exc:  # SQLite failed to read the copy
         raise SnapshotError(f"{source} could not be copied: {exc.__cause__ or exc}") from exc
+
+
+def _check_together(state_dir: Path, staging: Path, entries: tuple[DatabaseEntry, ...]) -> None:
+    """Refuse the copies, as serve refuses the databases, when one is missing or empty beside one
+    that holds state: restored, such a snapshot would be refused, and kept, it would take the
+    place of one taken before the loss."""
+    found = {entry.filename: 0 if entry.schema is None else entry.schema.version for entry in entries}
+    try:
+        check_together(state_dir, {name: found.get(name, 0) for name in SCHEMAS}, read_in=staging)
+    except SchemaError as exc:
+        raise SnapshotError(
+            f"{exc.path} cannot be snapshotted as it is: it {exc.reason}. A server refuses it so, as it would a snapshot"
+            f" of it restored: no snapshot was written. {exc.fix}"
+        ) from exc
 
 
 def complete_snapshots(backup_root: Path) -> list[Path]:

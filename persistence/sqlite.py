@@ -22,7 +22,9 @@ import attrs
 import outcome
 import trio
 
-from persistence.errors import DatabaseBusy, DatabaseFailed, DatabaseGone, SchemaError, StoreClosed, StoreError
+from persistence.errors import (
+    RESTORE_FIX, DatabaseBusy, DatabaseDamaged, DatabaseFailed, DatabaseGone, SchemaError, StoreClosed, StoreError,
+)
 from persistence.schema import KNOWN_SCHEMAS, META_DDL, SchemaIdentity, read_identity, write_identity_txn
 from persistence.statedir import owned_as_directory
 
@@ -342,6 +344,35 @@ def inspect(path: Path, schema: Schema) -> int:
     return version
 
 
+def check_intact(path: Path) -> None:
+    """SchemaError if SQLite's integrity check finds the database ``path`` damaged: a page that is
+    not what it wrote (a disk that failed, bytes written by another program), an index that no
+    longer matches its table. Served, such a file fails the requests that reach the damage, and
+    a damaged index can answer wrongly (that a message started no task). Reads the whole file:
+    ``check`` and ``serve`` run it once, before they open the file. Blocking."""
+    try:
+        with closing(connect(path, readonly=True)) as conn:
+            problems = [str(row[0]) for row in conn.execute("PRAGMA integrity_check(3)")]
+    except sqlite3.DatabaseError as exc:
+        raise _unusable(path, exc) from exc
+    if problems != ["ok"]:
+        raise SchemaError(path, f"is damaged (SQLite's integrity check of it found: {'; '.join(problems)})", RESTORE_FIX)
+
+
+def holds_rows(path: Path, table: str) -> bool:
+    """Whether the table ``table`` of the database ``path`` (which has it) holds a row. Blocking."""
+    try:
+        with closing(connect(path, readonly=True)) as conn:
+            return bool(conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table})").fetchone()[0])
+    except sqlite3.DatabaseError as exc:
+        raise _unusable(path, exc) from exc
+
+
+def damaged(exc: sqlite3.Error) -> bool:
+    """Whether SQLite failed because the file is damaged (or is no database at all)."""
+    return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
+
+
 def _log_of(path: Path) -> Path:
     return path.with_name(path.name + "-wal")
 
@@ -351,8 +382,8 @@ def _unusable(path: Path, exc: sqlite3.DatabaseError) -> StoreError:
     only held by another program for now, or SQLite failed otherwise. Only a damaged file is
     worth replacing."""
     code = getattr(exc, "sqlite_errorcode", 0) & 0xFF  # the primary code of an extended one
-    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
-        return SchemaError(path, f"cannot be read as a database ({exc})", "Restore a good snapshot, or move the file aside")
+    if damaged(exc):
+        return SchemaError(path, "cannot be read as a database: it is damaged, or it is not a SQLite file", RESTORE_FIX)
     if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return DatabaseBusy(path, exc)
     return DatabaseFailed(path, exc)
@@ -405,6 +436,7 @@ class SqlitePool:
     _jobs: queue.SimpleQueue[_Job] = attrs.field(init=False, factory=queue.SimpleQueue)
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
+    _damaged: bool = attrs.field(init=False, default=False)  # SQLite found the file damaged since it opened
 
     @classmethod
     async def open(cls, path: Path, schema: Schema, *, synchronous: str = "FULL") -> SqlitePool:
@@ -440,6 +472,24 @@ class SqlitePool:
                 raise DatabaseGone(self.path, log=log) from None
             if opened is not None and (now.st_dev, now.st_ino) != opened:
                 raise DatabaseGone(self.path, log=log)
+
+    def check_sound(self) -> None:
+        """``check_file``, and DatabaseDamaged if a call found the file damaged since it opened:
+        the readiness probe's check of the file the server has open. Blocking: two stats."""
+        self.check_file()
+        if self._damaged:
+            raise DatabaseDamaged(self.path, first=False)
+
+    def failure(self, exc: sqlite3.Error) -> DatabaseFailed:
+        """SQLite's error on a call, named for the file: DatabaseDamaged when the file is damaged
+        (said to be the first for the first one found, the one to log)."""
+        if damaged(exc):
+            first, self._damaged = not self._damaged, True
+            failure: DatabaseFailed = DatabaseDamaged(self.path, first=first)
+        else:
+            failure = DatabaseFailed(self.path, exc)
+        failure.__cause__ = exc
+        return failure
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(conn, *args)`` in the pool's thread and return what it returns.
@@ -494,7 +544,7 @@ class SqlitePool:
         try:
             return fn(self._conn, *args)
         except sqlite3.Error as exc:  # the driver's errors stop here, named for the file
-            raise DatabaseFailed(self.path, exc) from exc
+            raise self.failure(exc) from exc
 
     async def aclose(self) -> None:
         """Close the connection once the calls already queued have run (they raise StoreClosed).

@@ -13,7 +13,9 @@ from typing import Any, Self
 import attrs
 
 from persistence.api import TaskPage, TaskRecord
-from persistence.errors import InvalidPage, MessageTaken, PageOfOtherListing, TaskExists, TaskNotFound, VersionConflict
+from persistence.errors import (
+    InvalidPage, MessageTaken, PageOfOtherListing, TaskExists, TaskNotFound, UnreadableTask, VersionConflict,
+)
 from persistence.sessions import now_ms
 from persistence.sqlite import Schema, SqlitePool, execute_ddl
 from persistence.validate import MAX_INTEGER, check_integer, check_task, check_task_write, lone_surrogate
@@ -104,13 +106,20 @@ def _v3(conn: sqlite3.Connection) -> None:
 TASKS_SCHEMA = Schema(name="keel.tasks", migrations=(_v1, _v2, _v3))
 
 _COLUMNS = "id, context_id, owner, state, version, created_at_ms, updated_at_ms, task"
+# What a read takes, the JSON as its bytes, decoded here: a byte of it damaged (no longer UTF-8) is
+# then that task's alone to fail, named, rather than SQLite's error for the whole read, quoting it.
+_READ = "id, context_id, owner, state, version, created_at_ms, updated_at_ms, CAST(task AS BLOB)"
 
 
 def record_from_row(row: tuple[Any, ...]) -> TaskRecord:
     id_, context_id, owner, state, version, created, updated, task = row
+    try:
+        task_json = task.decode()
+    except UnicodeDecodeError as exc:
+        raise UnreadableTask(id_, f"its JSON is not UTF-8: byte {exc.start} of it is damaged") from None
     return TaskRecord(
         id=id_, context_id=context_id, owner=owner, state=state, version=int(version),
-        created_at_ms=int(created), updated_at_ms=int(updated), task_json=task,
+        created_at_ms=int(created), updated_at_ms=int(updated), task_json=task_json,
     )  # fmt: skip
 
 
@@ -239,7 +248,7 @@ def _list_txn(
         where.append("(updated_at_ms < :after_ms OR (updated_at_ms = :after_ms AND id < :after_id))")
         params["after_ms"], params["after_id"] = after
     rows = conn.execute(
-        f"SELECT {_COLUMNS} FROM tasks WHERE {' AND '.join(where)} ORDER BY updated_at_ms DESC, id DESC LIMIT :limit",
+        f"SELECT {_READ} FROM tasks WHERE {' AND '.join(where)} ORDER BY updated_at_ms DESC, id DESC LIMIT :limit",
         params,
     )
     try:  # read row by row: a page may end before its page size
@@ -284,7 +293,7 @@ class SqliteTaskStore(WriterBacked):
         if lone_surrogate(task_id) or lone_surrogate(owner):  # no such text is ever stored
             raise TaskNotFound(task_id)
         row = await self.pool.run(
-            lambda conn: conn.execute(f"SELECT {_COLUMNS} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)).fetchone()
+            lambda conn: conn.execute(f"SELECT {_READ} FROM tasks WHERE id = ? AND owner = ?", (task_id, owner)).fetchone()
         )
         if row is None:
             raise TaskNotFound(task_id)
@@ -349,7 +358,7 @@ class SqliteTaskStore(WriterBacked):
 
 # Written out, not bound: the index of unfinished tasks serves only a query whose WHERE is its own.
 _UNFINISHED = (
-    f"SELECT {_COLUMNS} FROM tasks WHERE state IN ({', '.join(repr(state) for state in UNFINISHED_STATES)})"
+    f"SELECT {_READ} FROM tasks WHERE state IN ({', '.join(repr(state) for state in UNFINISHED_STATES)})"
     " ORDER BY created_at_ms, id"
 )
 

@@ -13,7 +13,7 @@ import attrs
 import outcome
 import trio
 
-from persistence.errors import DatabaseFailed, DatabaseGone, StoreClosed
+from persistence.errors import DatabaseGone, StoreClosed
 from persistence.sqlite import SqlitePool, begin_immediate
 
 T = TypeVar("T")
@@ -130,7 +130,7 @@ class GroupCommitWriter:
         await batch.done.wait()
         if item.error is not None:
             if isinstance(item.error, sqlite3.Error):  # one write's own failure, in careful mode
-                raise DatabaseFailed(self.pool.path, item.error) from item.error
+                raise self.pool.failure(item.error) from item.error
             raise item.error
         return item.result  # type: ignore[no-any-return]  # fn's result, set in the pool's thread
 
@@ -161,9 +161,7 @@ class GroupCommitWriter:
                     raise
                 _commit_batch(conn, batch.items, self.hooks)
             except sqlite3.Error as exc:  # named for the file, as the pool names its own calls' errors
-                failure = DatabaseFailed(self.pool.path, exc)
-                failure.__cause__ = exc
-                batch.failed(failure)
+                batch.failed(self.pool.failure(exc))
             except BaseException as exc:  # even SystemExit from a write: its batch fails, the writer goes on
                 batch.failed(exc)
         with self._lock:

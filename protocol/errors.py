@@ -8,6 +8,7 @@ ProtocolError
 │   └── ContextMismatch                     a message's contextId is not its task's
 ├── InternalError                   -32603  a bug or an outage; details stay in the log
 │   ├── StorageFailed                       the server's storage failed (a full disk, say)
+│   ├── StorageDamaged                      what a request reads or writes is on a damaged page
 │   ├── TaskUnreadable                      a stored task's row cannot be read (it was damaged)
 │   ├── EndNotStored                        a blocking send's task ended, its end unwritten
 │   └── StreamCut                           a stream ended before its task did
@@ -146,6 +147,18 @@ class StorageFailed(InternalError):
             self,
             f"the server's storage failed while handling {what}; what it acknowledged before is kept. Try again "
             "shortly (a message sent again with the same messageId is taken once); the server log has the details",
+        )
+
+
+class StorageDamaged(InternalError):
+    """The server's storage is damaged where a request reads or writes it: not an outage that
+    passes, until its operator restores it."""
+
+    def __init__(self, what: str) -> None:
+        ProtocolError.__init__(
+            self,
+            f"the server's storage is damaged where {what} reads or writes it, so it cannot be handled until the"
+            " server's operator restores the storage (the server log says how); trying again will not help until then",
         )
 
 

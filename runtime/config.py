@@ -23,7 +23,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import attrs
 
-from persistence.databases import SCHEMAS, check_servable
+from persistence.databases import SCHEMAS, check_servable, check_together
 from persistence.errors import StoreError
 from persistence.recovery import check_recoverable
 from persistence.refusals import (
@@ -164,17 +164,20 @@ def _writable_dir(path: Path) -> Path:
     return path
 
 
-def preflight(state_dir: Path) -> list[str]:
+def preflight(state_dir: Path, *, thorough: bool = False) -> list[str]:
     """Refuse databases (with their SQLite files) this user may not read and write, and those
     this build cannot use, reading only (StoreError for one, and an ExceptionGroup of them when
-    both are, so that each is named at once); say, a line each, those an older build left, which
-    serve brings up to date as it opens them. Blocking: run it in a thread."""
+    both are, so that each is named at once), and one missing or empty beside one that holds
+    state; say, a line each, those an older build left, which serve brings up to date
+    as it opens them. ``thorough``: damaged ones too, read whole (``check_servable``). Blocking: run
+    it in a thread."""
     require_writable(state_dir, [name + suffix for name in SCHEMAS for suffix in ("", "-wal", "-shm")])
     unusable: list[StoreError] = []
     older = []
+    versions = {}
     for name, schema in SCHEMAS.items():
         try:
-            version = check_servable(state_dir / name, name)
+            version = versions[name] = check_servable(state_dir / name, name, thorough=thorough)
         except StoreError as exc:
             unusable.append(exc)
             continue
@@ -187,6 +190,7 @@ def preflight(state_dir: Path) -> list[str]:
         raise ExceptionGroup("databases this build cannot use", unusable)
     if unusable:
         raise unusable[0]
+    check_together(state_dir, versions)
     return older
 
 
@@ -200,7 +204,7 @@ def _can_make_state_dir(path: Path) -> None:
         if why := too_full(nearest_existing(path)):
             raise ValueError(f"it is {why}")
         check_recoverable(path)  # what serve does first: finish or roll back a restore cut short
-        preflight(path)
+        preflight(path, thorough=True)  # and what only reading them whole finds: a damaged page
     except UnusableStateDir as exc:
         raise ValueError(exc.why) from None
     except StoreError as exc:  # a database this build cannot use (SchemaError), or cannot read now

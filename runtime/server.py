@@ -220,7 +220,7 @@ async def _serve_http(
     readiness = Readiness()
     health = Health(
         state_dir=config.state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping,
-        opened={SESSIONS_FILE: sessions.pool.check_file, TASKS_FILE: tasks.pool.check_file},
+        opened={SESSIONS_FILE: sessions.pool.check_sound, TASKS_FILE: tasks.pool.check_sound},
     )  # fmt: skip
     http_done = trio.Event()
 

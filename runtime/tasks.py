@@ -18,6 +18,7 @@ import trio
 
 import persistence.errors as store_errors
 from persistence.api import TaskRecord, TaskStore
+from persistence.errors import UnreadableTask
 from persistence.locks import holding
 from protocol import (
     END_NOT_STORED,
@@ -125,17 +126,6 @@ def decode(record: TaskRecord) -> Task:
         return Task.from_json(obj, STORED_VERSION)
     except ProtocolError as exc:
         raise UnreadableTask(record.id, str(exc).removeprefix("invalid params: ")) from exc
-
-
-class UnreadableTask(store_errors.StoreError):
-    """A task whose stored JSON this build cannot read: the row was damaged, or written by hand."""
-
-    def __init__(self, task_id: str, problem: str) -> None:
-        self.task_id = task_id
-        super().__init__(
-            f"task {task_id!r} in tasks.db cannot be read ({problem}); restore a snapshot taken before it was"
-            " damaged (python -m runtime state restore)"
-        )
 
 
 def agent_message(task: Task, text: str) -> Message:

@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from persistence.databases import SESSIONS_FILE, TASKS_FILE
-from persistence.errors import DatabaseFailed
+from persistence.errors import DatabaseDamaged, DatabaseFailed
 from persistence.sessions import SESSIONS_SCHEMA
 from persistence.sqlite import Schema, inspect
 from persistence.statedir import MIN_FREE_BYTES, free_bytes, nearly_full
@@ -192,6 +192,8 @@ class Health:
         except Exception as exc:  # SchemaError, sqlite3.Error, OSError: all mean "cannot use it"
             if isinstance(exc, OSError) and exc.errno in STARVED:  # ... but this one is the server's
                 return self._starved(label, exc.errno)
+            if isinstance(exc, DatabaseDamaged):  # found by a request, and logged then with what to do
+                return f"{label} is damaged: {name} (the server log says what to do)"
             problem = f"{label} is not usable: {name} ({type(exc).__name__})"
             return self._found(problem, "readiness: %s %s is not usable: %r", label, path, exc)
         return None

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from fake_model import FakeModel, Reply
+from persistence.sessions import open_session_store
 from persistence.tasks import open_task_store
 from protocol import MAX_DATA_VALUES, Message, Role, Task, TaskState, TaskStatus, TextPart
 from runtime.runner import ANONYMOUS
@@ -29,6 +30,8 @@ async def store_tasks_with_long_histories(state: Path, count: int, messages: int
     """``count`` completed tasks in tasks.db, each with ``messages`` messages of 1 MiB of text."""
     state.mkdir()
     ids = set()
+    async with open_session_store(state / "runtime.db"):  # beside it, as a server leaves it
+        pass
     async with open_task_store(state / "tasks.db", synchronous="OFF") as tasks:
         for i in range(count):
             history = tuple(

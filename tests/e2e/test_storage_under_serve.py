@@ -55,7 +55,7 @@ async def test_a_removed_write_ahead_log_refuses_writes_says_so_and_keeps_what_w
         health = await client.get(keel.url + "healthz")
         assert health.status_code == 503
         assert "task store is not usable: tasks.db (DatabaseGone)" in health.json()["problems"]
-        await keel.kill()
+        await keel.terminate()  # as the log says: closing the databases moves what the removed logs hold into them
     assert "tasks.db-wal: the database's write-ahead log was removed or replaced" in keel.output.decode()
 
     async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:

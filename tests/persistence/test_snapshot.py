@@ -209,8 +209,10 @@ def test_what_a_snapshot_killed_midway_left_is_removed_by_the_next_one(state_dir
 
 def test_snapshot_refuses_a_database_that_fails_its_integrity_check(state_dir: Path) -> None:
     make_damaged_db(state_dir / "broken.db")
-    with pytest.raises(SnapshotError, match=r"broken\.db failed its integrity check: row 1 missing from index"):
+    found = r"broken\.db is damaged \(SQLite's integrity check of it found: row 1 missing from index"
+    with pytest.raises(SnapshotError, match=found) as refused:
         snap(state_dir)
+    assert "so no snapshot of it was written. Restore a good snapshot" in str(refused.value)
     assert os.listdir(state_dir.parent / "backups") == []
 
 

@@ -17,12 +17,14 @@ import trio.testing
 from fake_model import FakeModel, Reply
 
 from persistence.api import TaskRecord
+from persistence.errors import UnreadableTask
 from persistence.memory import MemorySessionStore, MemoryTaskStore
+from persistence.sessions import open_session_store
 from persistence.tasks import open_task_store
 from protocol import Message, Role, SendMessageParams, Task, TaskState, TaskStatus, TextPart
 from runtime.agent import AgentSpec
 from runtime.runner import ANONYMOUS, Runner, RunnerConfig
-from runtime.tasks import UnreadableTask, decode, encode, new_id
+from runtime.tasks import decode, encode, new_id
 from tests.runtime.agent_support import Answer, ScriptedModel
 from tests.runtime.served import DEADLINE_S, GATE_CALL, message, serve_keel
 from tests.runtime.test_state_cli import keel
@@ -164,6 +166,8 @@ async def test_an_unfinished_task_that_cannot_be_read_stops_the_start_before_any
 
 async def test_serve_names_the_unfinished_task_it_cannot_read_and_exits(tmp_path: Path) -> None:
     (tmp_path / ".state").mkdir()
+    async with open_session_store(tmp_path / ".state" / "runtime.db"):  # beside it, as a server leaves it
+        pass
     (_good, bad) = await left_working(tmp_path / ".state" / "tasks.db", None, "{not json")
 
     result = await trio.to_thread.run_sync(lambda: keel(tmp_path, "serve", "--port", "0"))

@@ -1,0 +1,231 @@
+"""Databases of a state directory damaged as disks, people and tools damage them (a page of bytes
+flipped, a file emptied or removed), with `check`, `serve` and the state commands as real processes
+on real files: none of them serves or copies a damaged file as if it were sound, each names the file
+and says what to do, and damage found while serving fails only what it touches."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fake_model import FakeModel, Reply
+from tests.e2e.harness import keel_process, rpc, run_serve_to_exit, run_to_exit, user_message
+from tests.persistence.state_helpers import fingerprint
+
+PAGE = 4096
+RESTORE = "python -m runtime state restore"
+
+
+async def check(state: Path) -> str:
+    """What `check` says of ``state``, which it must refuse."""
+    checked = await run_to_exit([sys.executable, "-m", "runtime", "check", "--port", "0", "--state-dir", str(state)])
+    assert checked.returncode == 1, checked.stdout
+    assert "Traceback" not in checked.stderr
+    return checked.stderr
+
+
+async def refused_snapshot(state: Path, backups: Path) -> str:
+    """What `state snapshot` says of ``state``, which it must refuse, publishing nothing."""
+    command = [sys.executable, "-m", "runtime", "state", "snapshot", "--state-dir", str(state), "--backup-root", str(backups)]
+    taken = await run_to_exit(command)
+    assert taken.returncode == 1, taken.stdout
+    assert "Traceback" not in taken.stderr and "no snapshot" in taken.stderr, taken.stderr
+    assert not backups.exists() or os.listdir(backups) == []
+    return taken.stderr
+
+
+async def refused_by_serve(state: Path, model_url: str) -> str:
+    served = await run_serve_to_exit(state, model_url)
+    assert served.returncode == 1, served.stdout
+    assert "Traceback" not in served.stderr and "keel serving" not in served.stdout
+    return served.stderr
+
+
+async def served_tasks(state: Path, fake_model: FakeModel, count: int) -> list[str]:
+    """A state directory in which ``count`` tasks were answered, each its own conversation; their ids."""
+    fake_model.script = [Reply(text=f"Answer {n}.") for n in range(count)]
+    ids = []
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        for n in range(count):
+            # Each question fills most of a page, so that each task is on pages of its own.
+            sent = await rpc(client, keel.url, "SendMessage", {"message": user_message(f"Question {n} " + "x" * 2500)})
+            ids.append(sent["result"]["task"]["id"])
+        await keel.terminate()
+    return ids
+
+
+def pages_of(path: Path, table: str) -> list[int]:
+    """The numbers of the leaf pages of ``table`` (or index) in the database ``path``."""
+    with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro&immutable=1", uri=True)) as conn:  # nothing made beside it
+        rows = conn.execute("SELECT pageno FROM dbstat WHERE name = ? AND pagetype = 'leaf' ORDER BY pageno", (table,))
+        return [row[0] for row in rows]
+
+
+def page_holding(path: Path, text: str) -> int:
+    """The leaf page of the table ``tasks`` whose first bytes hold ``text`` (a task's id)."""
+    data = path.read_bytes()
+    for page in pages_of(path, "tasks"):
+        if text.encode() in data[(page - 1) * PAGE : page * PAGE]:
+            return page
+    raise AssertionError(f"no page of tasks holds {text!r}")
+
+
+def flip(path: Path, page: int, offset: int, length: int) -> None:
+    """Invert ``length`` bytes at ``offset`` of page ``page``: what a failing disk does."""
+    with open(path, "r+b") as handle:
+        handle.seek((page - 1) * PAGE + offset)
+        data = handle.read(length)
+        handle.seek((page - 1) * PAGE + offset)
+        handle.write(bytes(byte ^ 0xFF for byte in data))
+
+
+def emptied(name: str) -> Callable[[Path], None]:
+    def damage(state: Path) -> None:
+        (state / name).write_bytes(b"")  # replaced by an empty file, as a tool that "resets" it does
+
+    return damage
+
+
+def removed(name: str) -> Callable[[Path], None]:
+    def damage(state: Path) -> None:
+        (state / name).unlink()
+
+    return damage
+
+
+@pytest.mark.parametrize(
+    ("damage", "name", "what", "other", "holds"),
+    [
+        (emptied("tasks.db"), "tasks.db", "is empty", "runtime.db", "conversations"),
+        (removed("tasks.db"), "tasks.db", "is missing", "runtime.db", "conversations"),
+        (emptied("runtime.db"), "runtime.db", "is empty", "tasks.db", "tasks"),
+        (removed("runtime.db"), "runtime.db", "is missing", "tasks.db", "tasks"),
+    ],
+)
+async def test_check_and_serve_refuse_a_database_emptied_or_removed_beside_one_that_holds_state_and_change_nothing(
+    tmp_path: Path, fake_model: FakeModel, damage: Callable[[Path], None], name: str, what: str, other: str, holds: str
+) -> None:
+    # Served as it is, the file would be made anew and every task (or conversation) it held answered
+    # for as if it had never been: a message sent again would start its task a second time.
+    state = tmp_path / "state"
+    await served_tasks(state, fake_model, 1)
+    damage(state)
+    before = fingerprint(state)
+
+    said = f"{state / name}: {what}, but {other} beside it holds {holds}"
+    assert said in await check(state)
+    refused = await refused_by_serve(state, fake_model.base_url)
+    assert said in refused and RESTORE in refused, refused
+    # Nor is it snapshotted: kept, such a snapshot would take the place of one taken before the loss.
+    not_taken = await refused_snapshot(state, tmp_path / "backups")
+    assert f"{state / name} cannot be snapshotted as it is: it {what}, but {other}" in not_taken, not_taken
+    assert fingerprint(state) == before  # nothing made, nothing brought up to date
+
+
+@pytest.mark.parametrize(
+    ("offset", "said"),
+    [
+        (0, "cannot be read as a database: it is damaged"),  # the page's header: its kind and its cells' places
+        (PAGE - 40, "is damaged (SQLite's integrity check of it found: "),  # a key: the index no longer matches its table
+    ],
+    ids=["header", "key"],
+)
+async def test_check_and_snapshot_refuse_a_database_with_a_damaged_index_page_naming_it_and_the_restore(
+    tmp_path: Path, fake_model: FakeModel, offset: int, said: str
+) -> None:
+    # tasks_by_message is what keeps a message sent again from starting a second task: served with
+    # a damaged page, it could answer that the message started none. Only reading the file whole
+    # finds it, which `check` does (serve's start does not: it would take longer as the state grows).
+    state = tmp_path / "state"
+    await served_tasks(state, fake_model, 2)
+    [page] = pages_of(state / "tasks.db", "tasks_by_message")
+    flip(state / "tasks.db", page, offset, 12)
+    before = fingerprint(state)
+
+    said = f"{state / 'tasks.db'}: {said}"
+    checked = await check(state)
+    assert said in checked and RESTORE in checked, checked
+    assert "malformed" not in checked  # SQLite's words are not the explanation
+    not_taken = await refused_snapshot(state, tmp_path / "backups")
+    assert f"{state / 'tasks.db'} is damaged" in not_taken and RESTORE in not_taken, not_taken
+    assert fingerprint(state) == before
+
+
+async def test_a_page_damaged_under_the_server_fails_only_the_tasks_on_it_says_so_once_and_readiness_says_why(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    state = tmp_path / "state"
+    damaged, sound = await served_tasks(state, fake_model, 2)
+    fake_model.script = [Reply(text="Paged the on-call.")]
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        flip(state / "tasks.db", page_holding(state / "tasks.db", damaged), 0, 12)  # a disk failing under it
+        for _ in range(3):
+            failed = await rpc(client, keel.url, "GetTask", {"id": damaged})
+            assert failed["error"]["code"] == -32603, failed
+            message = failed["error"]["message"]
+            assert "damaged" in message and "Try again" not in message, message
+            assert "tasks.db" not in message and str(state) not in message  # the machine's paths are the log's
+        listed = await rpc(client, keel.url, "ListTasks", {"pageSize": 10})
+        assert "damaged" in listed["error"]["message"], listed
+        found = await rpc(client, keel.url, "GetTask", {"id": sound})
+        assert found["result"]["status"]["state"] == "TASK_STATE_COMPLETED", found
+        answered = await rpc(client, keel.url, "SendMessage", {"message": user_message("Page the on-call")})
+        assert answered["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answered
+        health = await client.get(keel.url + "healthz")
+        assert health.status_code == 503, health.text
+        assert "task store is damaged: tasks.db" in " ".join(health.json()["problems"]), health.text
+        await keel.terminate()
+    log = keel.output.decode()
+    assert log.count(f"{state / 'tasks.db'}: the database file is damaged") == 1, log
+    assert RESTORE in log and "Traceback" not in log, log
+
+
+async def test_a_server_that_crashes_after_its_write_ahead_log_was_removed_is_not_started_again_on_what_is_left(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # What runtime.db holds is in its -wal until a checkpoint: removed under the server, and the
+    # server killed before it closed the file, the conversations went with it. Started again on
+    # what is left, a server would carry on each conversation as if it had just begun.
+    state = tmp_path / "state"
+    fake_model.script = [Reply(text="Rolled back.")]
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        await rpc(client, keel.url, "SendMessage", {"message": user_message("Roll back the deploy")})
+        (state / "runtime.db-wal").unlink()  # a cleanup script that took it for a leftover
+        await keel.kill()
+
+    refused = await refused_by_serve(state, fake_model.base_url)
+    assert f"{state / 'runtime.db'}: is empty, but tasks.db beside it holds tasks" in refused, refused
+    assert RESTORE in refused, refused
+
+
+async def test_a_task_whose_stored_text_is_no_longer_utf8_is_named_as_unreadable_and_the_others_are_served(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # A byte flipped in the middle of a task's JSON leaves every page sound: the row is what is
+    # damaged, for its operator to restore, and no outage that passes; nor is what it says logged.
+    state = tmp_path / "state"
+    damaged, sound = await served_tasks(state, fake_model, 2)
+    data = bytearray((state / "tasks.db").read_bytes())
+    at = data.index(b"Question 0 " + b"x" * 100) + 50
+    data[at] ^= 0xFF  # an "x" becomes a byte that starts no UTF-8 character
+    (state / "tasks.db").write_bytes(data)
+
+    fake_model.script = [Reply(text="Paged the on-call.")]
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        for method, params in (("GetTask", {"id": damaged}), ("ListTasks", {"pageSize": 10})):
+            failed = await rpc(client, keel.url, method, params)
+            assert failed["error"]["code"] == -32603, failed
+            assert f"task {damaged!r} is stored in a form this server cannot read" in failed["error"]["message"], failed
+        found = await rpc(client, keel.url, "GetTask", {"id": sound})
+        assert found["result"]["status"]["state"] == "TASK_STATE_COMPLETED", found
+        await keel.terminate()
+    log = keel.output.decode()
+    assert f"task {damaged!r} in tasks.db cannot be read (its JSON is not UTF-8" in log, log
+    assert RESTORE in log and "xxxxxxxx" not in log, log  # what the task says is not the log's
