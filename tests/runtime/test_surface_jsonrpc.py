@@ -131,6 +131,19 @@ async def test_send_message_blocking_waits_for_the_run_to_end(keel: Served, nurs
     assert results[0]["status"]["state"] == "TASK_STATE_COMPLETED"
 
 
+async def test_a_send_without_an_id_is_answered_with_the_task_it_started(keel: Served) -> None:
+    # A JSON-RPC notification gets no answer; an A2A send has one to give, as the a2a-sdk's server
+    # gives it: an empty answer would leave a client that forgot its id without its task.
+    keel.model.script = [Reply(text="Done.")]
+    body = keel.body("SendMessage", {"message": {"messageId": "no-id", "role": "ROLE_USER", "parts": [{"text": "Hi"}]}})
+    del body["id"]
+    with trio.fail_after(DEADLINE_S):
+        response = await keel.http.post(keel.rpc_path, json=body, headers=keel.headers("1.0"))
+    answer = response.json()
+    assert (response.status_code, answer["id"]) == (200, None), answer
+    assert answer["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", answer
+
+
 @BOTH
 async def test_send_message_nonblocking_returns_the_task_as_created(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
