@@ -6,6 +6,7 @@ StoreError
 ├── TranscriptConflict   a save that does not extend the stored transcript
 ├── InvalidTask          a task whose id or columns cannot be stored; nothing was written
 ├── UnreadableTask       a stored task whose JSON cannot be read: its row was damaged, or written by hand
+├── UnreadableSession    a stored session whose text cannot be read: a row of it was damaged, or written by hand
 ├── TaskExists           create() with an id that is already taken
 ├── MessageTaken         create() with a first message id the owner's other task already has
 ├── TaskNotFound         no such task for this owner
@@ -87,6 +88,18 @@ class UnreadableTask(StoreError):
         self.task_id = task_id
         super().__init__(
             f"task {task_id!r} in tasks.db cannot be read ({problem}); restore a snapshot taken before it was"
+            " damaged (python -m runtime state restore)"
+        )
+
+
+class UnreadableSession(StoreError):
+    """A session (an A2A context's conversation) a text of which this build cannot read: a row of
+    it was damaged, or written by hand. ``problem`` names the row, never quotes it."""
+
+    def __init__(self, session_id: str, problem: str) -> None:
+        self.session_id = session_id
+        super().__init__(
+            f"session {session_id!r} in runtime.db cannot be read ({problem}); restore a snapshot taken before it was"
             " damaged (python -m runtime state restore)"
         )
 
@@ -194,6 +207,12 @@ class DatabaseDamaged(DatabaseFailed):
             f"{path}: the database file is damaged (a page of it is not what SQLite wrote), so what is stored on that"
             f" page can be neither read nor written. {RESTORE_FIX}",
         )
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether a store failed because what it read or wrote is damaged (a page of its file, or a
+    row): no outage that passes, but its operator's to restore."""
+    return isinstance(exc, (DatabaseDamaged, UnreadableSession))
 
 
 class DatabaseBusy(DatabaseFailed):

@@ -23,8 +23,10 @@ from persistence.sessionwrites import (
     append_txn,
     drop_steers_txn,
     ensure_txn,
+    events_txn,
     length_txn,
     now_ms,
+    pending_steers_txn,
     save_and_take_txn,
     save_txn,
     steers_recorded_txn,
@@ -180,14 +182,7 @@ class SqliteSessionStore(WriterBacked):
 
     async def events(self, session_id: str, *, after: int = -1) -> list[Event]:
         check_integer(after, f"the seq after which events of session {session_id!r} are read", minimum=-MAX_INTEGER - 1)
-        rows = await self.pool.run(
-            lambda conn: []
-            if lone_surrogate(session_id)
-            else conn.execute(
-                "SELECT seq, author, created_at_ms, content FROM events WHERE session_id = ? AND seq > ? ORDER BY seq",
-                (session_id, after),
-            ).fetchall()
-        )
+        rows = await self.pool.run(events_txn, session_id, after)
         return [Event(seq=seq, author=author, created_at_ms=at, content=content) for seq, author, at, content in rows]
 
     async def length(self, session_id: str) -> int:
@@ -237,13 +232,7 @@ class SqliteSessionStore(WriterBacked):
     async def pending_steers(self, *, session_id: str | None = None, task_id: str | None = None) -> list[PendingSteer]:
         if any(name is not None and lone_surrogate(name) for name in (session_id, task_id)):  # never stored
             return []
-        rows = await self.pool.run(
-            lambda conn: conn.execute(
-                "SELECT session_id, message_id, task_id, record FROM steer_receipts WHERE record IS NOT NULL"
-                " AND (?1 IS NULL OR session_id = ?1) AND (?2 IS NULL OR task_id = ?2) ORDER BY created_at_ms, message_id",
-                (session_id, task_id),
-            ).fetchall()
-        )
+        rows = await self.pool.run(pending_steers_txn, session_id, task_id)
         return [PendingSteer(session_id=row[0], message_id=row[1], task_id=row[2], record=row[3]) for row in rows]
 
     async def steers_recorded(self, session_id: str, message_ids: Sequence[str]) -> None:

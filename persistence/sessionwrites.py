@@ -1,11 +1,14 @@
 """The session store's transactions, and what the writer's connection knows of each session.
 
 Each ``*_txn`` runs on the connection its caller hands it, in the pool's thread: inside a batch's
-transaction of the group-commit writer, or (``length_txn``, for a read) as a call on the pool.
+transaction of the group-commit writer, or (``length_txn``, ``events_txn``, ``pending_steers_txn``,
+reads) as a call on the pool.
 Those that write events or take steers are given the writer's ``SessionLengths`` and keep it up
 to date, so that an append is one INSERT and a save reads nothing back. Apart from
 ``persistence.sessions``, which holds the schema and the store: the store checks what it is given
-and submits these, and keeps to itself only its reads and the states' one-statement writes.
+and submits these, and keeps to itself only its other reads and the states' one-statement writes.
+A text of a session that is no longer UTF-8 (a byte of its row damaged) fails the read with
+UnreadableSession, naming the row and never quoting it (``check_texts``).
 ``now_ms`` is the clock the stores stamp their rows with.
 """
 
@@ -18,7 +21,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from persistence.api import DEFAULT_APP_NAME, SteerReceipt
-from persistence.errors import TranscriptConflict
+from persistence.errors import TranscriptConflict, UnreadableSession
 from persistence.transcript import Message
 from persistence.validate import lone_surrogate, plan_save
 
@@ -46,6 +49,40 @@ def length_txn(conn: sqlite3.Connection, session_id: str) -> int:
         "SELECT coalesce(max(seq) + 1, 0) FROM events WHERE session_id = ?", (session_id,)
     ).fetchone()
     return int(length)
+
+
+# A session's events after a seq: their texts as SQLite's driver decodes them, and as their bytes.
+_EVENTS = "SELECT seq, author, created_at_ms, content FROM events WHERE session_id = ? AND seq > ? ORDER BY seq"
+_EVENTS_AS_BYTES = (
+    "SELECT seq, CAST(author AS BLOB), CAST(content AS BLOB) FROM events WHERE session_id = ? AND seq > ? ORDER BY seq"
+)
+
+
+def events_txn(conn: sqlite3.Connection, session_id: str, after: int) -> list[tuple[int, str, int, str]]:
+    """The session's events after position ``after``: (seq, author, created_at_ms, content)."""
+    if lone_surrogate(session_id):  # never stored: refused on the way in (and unbindable)
+        return []
+    try:
+        return conn.execute(_EVENTS, (session_id, after)).fetchall()
+    except sqlite3.OperationalError:
+        check_texts(conn, session_id, "message", _EVENTS_AS_BYTES, (session_id, after))
+        raise
+
+
+def check_texts(conn: sqlite3.Connection, session_id: str, what: str, sql: str, params: tuple[object, ...]) -> None:
+    """After a read of the session's rows failed: UnreadableSession naming the first row ``sql``
+    reads (its key, then its texts as bytes) with a text that is not UTF-8, which SQLite's driver
+    cannot decode (its error quotes the text). A row damaged so fails its session alone, and what
+    it holds is not repeated; returns if there is none (the read failed otherwise). Only a read
+    that failed is done again so: the driver decodes for nothing more than this would."""
+    for key, *texts in conn.execute(sql, params):
+        for text in texts:
+            if text is None:
+                continue
+            try:
+                text.decode()
+            except UnicodeDecodeError as exc:
+                raise UnreadableSession(session_id, f"its {what} {key} is not UTF-8: byte {exc.start} of it is damaged") from None
 
 
 @attrs.define(eq=False)
@@ -139,12 +176,16 @@ class SessionLengths:
     def stored_from(self, conn: sqlite3.Connection, session_id: str, start: int) -> list[str]:
         """The contents of the session's events from position ``start`` on."""
         self.flush(conn)
-        contents = [
-            content
-            for (content,) in conn.execute(
-                "SELECT content FROM events WHERE session_id = ? AND seq >= ? ORDER BY seq", (session_id, start)
-            )
-        ]
+        try:
+            contents = [
+                content
+                for (content,) in conn.execute(
+                    "SELECT content FROM events WHERE session_id = ? AND seq >= ? ORDER BY seq", (session_id, start)
+                )
+            ]
+        except sqlite3.OperationalError:
+            check_texts(conn, session_id, "message", _EVENTS_AS_BYTES, (session_id, start - 1))
+            raise
         self.verified_chars += sum(map(len, contents))
         return contents
 
@@ -188,11 +229,44 @@ def take_steers_txn(
 ) -> list[str]:
     if session_id in lengths.no_steers or lone_surrogate(session_id):
         return []
-    rows = conn.execute("SELECT id, text, task_id FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
+    try:
+        rows = conn.execute("SELECT id, text, task_id FROM steers WHERE session_id = ? ORDER BY id", (session_id,)).fetchall()
+    except sqlite3.OperationalError:
+        check_texts(conn, session_id, "steer", _STEERS_AS_BYTES, (session_id,))
+        raise
     if rows:
         conn.execute("DELETE FROM steers WHERE session_id = ? AND id <= ?", (session_id, rows[-1][0]))
     lengths.no_steers.add(session_id)
     return [text for _, text, task_id in rows if for_task is None or task_id is None or task_id == for_task]
+
+
+_OF_PENDING = (
+    " FROM steer_receipts WHERE record IS NOT NULL AND (?1 IS NULL OR session_id = ?1) AND (?2 IS NULL OR task_id = ?2)"
+    " ORDER BY created_at_ms, message_id"
+)
+_PENDING = "SELECT session_id, message_id, task_id, record" + _OF_PENDING
+_PENDING_RECORDS_AS_BYTES = "SELECT session_id, message_id, CAST(record AS BLOB)" + _OF_PENDING
+
+
+def pending_steers_txn(
+    conn: sqlite3.Connection, session_id: str | None, task_id: str | None
+) -> list[tuple[str, str, str | None, str]]:
+    """The steers still to be recorded in their tasks (of the session and the task, where given):
+    (session_id, message_id, task_id, record)."""
+    try:
+        return conn.execute(_PENDING, (session_id, task_id)).fetchall()
+    except sqlite3.OperationalError:
+        for session, message_id, record in conn.execute(_PENDING_RECORDS_AS_BYTES, (session_id, task_id)):
+            try:
+                record.decode()
+            except UnicodeDecodeError as exc:
+                raise UnreadableSession(
+                    session, f"the record of its steer {message_id!r} is not UTF-8: byte {exc.start} of it is damaged"
+                ) from None
+        raise
+
+
+_STEERS_AS_BYTES = "SELECT id, CAST(text AS BLOB), CAST(task_id AS BLOB) FROM steers WHERE session_id = ? ORDER BY id"
 
 
 def drop_steers_txn(conn: sqlite3.Connection, session_id: str, task_id: str) -> None:

@@ -273,6 +273,12 @@ def _write_snapshot(
     staging = Path(tempfile.mkdtemp(prefix=f".incomplete-{stamp}.", dir=backup_root))
     try:
         os.chmod(staging, DIR_MODE)
+        for name in names:
+            # Read with the -wal beside it, a database is checkpointed as the copy's source closes:
+            # one the -wal of another makes unservable (copied in over its own) is refused first,
+            # read only, so that the file stays as it is, for its operator to restore.
+            if os.path.lexists(state_dir / f"{name}-wal"):
+                _check_servable(state_dir / name, state_dir / name)
         with _read_together(state_dir, names, immutable=immutable) as sources:
             entries = tuple(_copy_database(state_dir / name, src, staging / name) for name, src in zip(names, sources))
         _check_together(state_dir, staging, entries)

@@ -173,6 +173,14 @@ class Schema:
                 )
             return 0
         if found.name != self.name:
+            if _log_is_other(path, found):
+                raise SchemaError(
+                    path,
+                    f"is read as a {found.name} database, not {self.name}, because of the write-ahead log beside it"
+                    f" ({path.name}-wal): the file alone is not one, so that log is another database's, copied or moved in"
+                    " beside it, and what the file's own log held since its last checkpoint, if it had one, is not there",
+                    RESTORE_FIX,
+                )
             raise SchemaError(path, f"is a {found.name} database, not {self.name}", "Point the state directory at the right place")
         if found.version > self.version:
             raise SchemaError(
@@ -375,6 +383,20 @@ def damaged(exc: sqlite3.Error) -> bool:
 
 def _log_of(path: Path) -> Path:
     return path.with_name(path.name + "-wal")
+
+
+def _log_is_other(path: Path, found: SchemaIdentity) -> bool:
+    """Whether the database ``path``, read as ``found``, is read so because of a -wal beside it
+    that is another's: the file alone (read as immutable, which leaves the -wal out) is not a
+    ``found`` database. Blocking."""
+    if not os.path.isfile(_log_of(path)):
+        return False
+    try:
+        with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)) as conn:
+            alone = read_identity(conn)
+    except sqlite3.Error:  # the file alone is damaged, or no database: not the -wal's doing, as far as is known
+        return False
+    return alone is None or alone.name != found.name
 
 
 def _unusable(path: Path, exc: sqlite3.DatabaseError) -> StoreError:

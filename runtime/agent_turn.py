@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from persistence.api import SessionStore, TaskStore
-from persistence.errors import StoreError
+from persistence.errors import DatabaseDamaged, StoreError, is_damage
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
@@ -59,7 +59,7 @@ class TurnTaker:
             try:
                 messages = [] if fresh else await session.messages()
             except StoreError as exc:  # a damaged row, or a failing disk: said so, in one line, as a failed save is
-                unreadable = ConversationUnreadable(task.context_id)
+                unreadable = ConversationUnreadable(task.context_id, damaged=is_damage(exc))
                 unreadable.__cause__ = exc
                 self._say_failed(task, unreadable)
                 return settle(TaskState.FAILED, _failed(unreadable))
@@ -105,29 +105,42 @@ class TurnTaker:
 
     def _say_failed(self, task: Task, exc: AgentError | ModelError) -> None:
         """One line: a model that failed is the operator's to look at, named with where it is
-        served and what it said; a turn the agent ended (its budget spent, say) is not."""
+        served and what it said; a turn the agent ended (its budget spent, say) is not; storage
+        found damaged is said in the store's words, which name it and what to do (a damaged file
+        once, the first time a request or a run met it)."""
         about = f"task {task.id} (context {task.context_id}) failed: {exc}"
-        if isinstance(exc, ModelError):
+        cause = exc.__cause__
+        if cause is not None and is_damage(cause):  # what is damaged, and what to do, is the store's to say
+            if not isinstance(cause, DatabaseDamaged) or cause.first:  # a damaged file once, as the surface does
+                logger.error("task %s (context %s) failed: %s", task.id, task.context_id, cause)
+        elif isinstance(exc, ModelError):
             where = f"; the model server is {self.model_endpoint}" if self.model_endpoint else ""
             said = f"; it said: {exc.detail}" if exc.detail else ""
             logger.warning("%s%s%s", about, where, said)
-        elif exc.__cause__ is None:
+        elif cause is None:
             logger.info("%s", about)
         else:  # a store failure: what it said is for the log alone
-            logger.warning("%s, from %r", about, exc.__cause__)
+            logger.warning("%s, from %r", about, cause)
 
 
 class ConversationUnreadable(AgentError):
     """The conversation a turn continues could not be read from runtime.db, so its run stops
     before the model is asked: asked without it, the model would answer out of context."""
 
-    def __init__(self, context_id: str) -> None:
+    def __init__(self, context_id: str, *, damaged: bool = False) -> None:
         self.context_id = context_id
-        super().__init__(
-            f"the conversation of context {context_id!r} could not be read from the server's storage, so the run stopped"
-            " before calling the model; send the message again, with a new messageId, once the server's storage is back,"
-            " or without the contextId to start a new conversation"
-        )
+        if damaged:  # no outage that passes: until it is restored, every turn of it fails so
+            super().__init__(
+                f"the conversation of context {context_id!r} is damaged in the server's storage, so the run stopped before"
+                " calling the model; its turns fail until the server's operator restores it (the server log says how):"
+                " send the message without the contextId to start a new conversation"
+            )
+        else:
+            super().__init__(
+                f"the conversation of context {context_id!r} could not be read from the server's storage, so the run"
+                " stopped before calling the model; send the message again, with a new messageId, once the server's"
+                " storage is back, or without the contextId to start a new conversation"
+            )
 
 
 def _failed(exc: AgentError | ModelError) -> str:

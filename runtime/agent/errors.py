@@ -8,7 +8,7 @@ AgentError
 ├── AnswerFiltered    the model's provider withheld its answer (a content filter)
 ├── AnswerFailed      the model's server ended its answer with an error
 ├── AnswerEmpty       the model's answer held no text and called no tool
-├── SaveFailed        the session could not be written or its steers taken
+├── SaveFailed        the session could not be written or its steers taken (its storage may be damaged)
 └── RunFinished       a steer for a run that has ended
 
 Their messages are safe to show an A2A client: they name the session (as A2A calls it, the
@@ -84,15 +84,21 @@ class SaveFailed(AgentError):
     """``what`` is the action that failed ("saving the transcript", ...); ``before_model`` says
     whether the run stopped before its next model request (false for the save at the end)."""
 
-    def __init__(self, session_id: str, what: str, *, before_model: bool = True) -> None:
+    def __init__(self, session_id: str, what: str, *, before_model: bool = True, damaged: bool = False) -> None:
         self.session_id = session_id
         # Said to the client of the task that fails with it: its context is the session, and the
         # task's end, which it reads, is stored all the same.
         outcome = "so the run stopped before calling the model" if before_model else "so the conversation does not hold it"
-        super().__init__(
-            f"{what} for context {session_id!r} failed, {outcome}; "
-            "send the message again, with a new messageId, once the server's storage is back"
-        )
+        if damaged:  # no outage that passes: the storage stays so until it is restored
+            super().__init__(
+                f"{what} for context {session_id!r} failed: the server's storage is damaged where it is kept, {outcome};"
+                " its turns fail so until the server's operator restores the storage (the server log says how)"
+            )
+        else:
+            super().__init__(
+                f"{what} for context {session_id!r} failed, {outcome}; "
+                "send the message again, with a new messageId, once the server's storage is back"
+            )
 
 
 class RunFinished(AgentError):

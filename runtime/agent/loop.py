@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from persistence.errors import is_damage
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
@@ -308,7 +309,7 @@ class AgentRun:
         try:
             taken = await session.save_and_take_steers(self.messages, placed=steer_message)
         except Exception as exc:  # any failure, as in _save
-            raise SaveFailed(session.id, what, before_model=before_model) from exc
+            raise SaveFailed(session.id, what, before_model=before_model, damaged=is_damage(exc)) from exc
         self.messages.extend(map(steer_message, taken))  # as saved
         self._saved = len(self.messages)
         return taken
@@ -325,7 +326,7 @@ class AgentRun:
             except Exception as exc:
                 # Whatever the store raises (its own errors, or a driver's it let through), the
                 # run stops with an error naming the session; the store's words stay in __cause__.
-                raise SaveFailed(self.session.id, what, before_model=before_model) from exc
+                raise SaveFailed(self.session.id, what, before_model=before_model, damaged=is_damage(exc)) from exc
             return
         raise SaveFailed(self.session.id, f"{what} within {bound_s:g} s", before_model=before_model)
 

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -68,13 +69,13 @@ def pages_of(path: Path, table: str) -> list[int]:
         return [row[0] for row in rows]
 
 
-def page_holding(path: Path, text: str) -> int:
-    """The leaf page of the table ``tasks`` whose first bytes hold ``text`` (a task's id)."""
+def page_holding(path: Path, text: str, table: str = "tasks") -> int:
+    """The leaf page of ``table`` whose bytes hold ``text`` (a task's id, say)."""
     data = path.read_bytes()
-    for page in pages_of(path, "tasks"):
+    for page in pages_of(path, table):
         if text.encode() in data[(page - 1) * PAGE : page * PAGE]:
             return page
-    raise AssertionError(f"no page of tasks holds {text!r}")
+    raise AssertionError(f"no page of {table} holds {text!r}")
 
 
 def flip(path: Path, page: int, offset: int, length: int) -> None:
@@ -229,3 +230,128 @@ async def test_a_task_whose_stored_text_is_no_longer_utf8_is_named_as_unreadable
     log = keel.output.decode()
     assert f"task {damaged!r} in tasks.db cannot be read (its JSON is not UTF-8" in log, log
     assert RESTORE in log and "xxxxxxxx" not in log, log  # what the task says is not the log's
+
+
+async def served_conversations(state: Path, fake_model: FakeModel, count: int) -> list[str]:
+    """A state directory in which ``count`` conversations were each answered once; their context ids."""
+    ids = await served_tasks(state, fake_model, count)
+    with closing(sqlite3.connect(f"{(state / 'tasks.db').as_uri()}?mode=ro&immutable=1", uri=True)) as conn:
+        found = dict(conn.execute("SELECT id, context_id FROM tasks").fetchall())
+    return [found[task_id] for task_id in ids]
+
+
+async def sent_on(client: httpx.AsyncClient, url: str, context_id: str, text: str) -> dict[str, Any]:
+    """The task a message in the conversation ``context_id`` ended as."""
+    sent = await rpc(client, url, "SendMessage", {"message": user_message(text, context_id=context_id)})
+    task: dict[str, Any] = sent["result"]["task"]
+    return task
+
+
+def status_text(task: dict[str, Any]) -> str:
+    return str(task["status"]["message"]["parts"][0]["text"])
+
+
+async def test_a_conversation_whose_stored_text_is_no_longer_utf8_fails_its_own_turns_named_and_the_others_go_on(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # A byte flipped in the middle of a message of runtime.db leaves every page sound: the row is
+    # what is damaged, for its operator to restore, and no outage that passes; nor is what it says logged.
+    state = tmp_path / "state"
+    damaged, sound = await served_conversations(state, fake_model, 2)
+    data = bytearray((state / "runtime.db").read_bytes())
+    at = data.index(b"Question 0 " + b"x" * 100) + 50
+    data[at] ^= 0xFF  # an "x" becomes a byte that starts no UTF-8 character
+    (state / "runtime.db").write_bytes(data)
+
+    fake_model.script = [Reply(text="Carried on.")]
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        for _ in range(2):
+            failed = await sent_on(client, keel.url, damaged, "And then?")
+            assert failed["status"]["state"] == "TASK_STATE_FAILED", failed
+            said = status_text(failed)
+            assert f"the conversation of context {damaged!r} is damaged in the server's storage" in said, said
+            assert "storage is back" not in said and "runtime.db" not in said and str(state) not in said, said
+        carried_on = await sent_on(client, keel.url, sound, "And then?")
+        assert carried_on["status"]["state"] == "TASK_STATE_COMPLETED", carried_on
+        await keel.terminate()
+    log = keel.output.decode()
+    assert f"session {damaged!r} in runtime.db cannot be read (its message 0 is not UTF-8" in log, log
+    assert RESTORE in log and "xxxxxxxx" not in log and "Could not decode" not in log, log
+    assert "Traceback" not in log, log
+    assert len(fake_model.bodies) == 3, fake_model.bodies  # the two answered before, and the sound one's
+
+
+async def test_a_page_of_a_conversation_damaged_under_the_server_fails_its_turns_and_is_logged_once(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    state = tmp_path / "state"
+    damaged, sound = await served_conversations(state, fake_model, 2)
+    fake_model.script = [Reply(text="Carried on.")]
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        runtime_db = state / "runtime.db"
+        flip(runtime_db, page_holding(runtime_db, "Question 0 ", "events"), 0, 12)  # a disk failing under it
+        for _ in range(3):
+            failed = await sent_on(client, keel.url, damaged, "And then?")
+            assert failed["status"]["state"] == "TASK_STATE_FAILED", failed
+            said = status_text(failed)
+            assert f"the conversation of context {damaged!r} is damaged in the server's storage" in said, said
+            assert "storage is back" not in said and "runtime.db" not in said and str(state) not in said, said
+        carried_on = await sent_on(client, keel.url, sound, "And then?")
+        assert carried_on["status"]["state"] == "TASK_STATE_COMPLETED", carried_on
+        health = await client.get(keel.url + "healthz")
+        assert "session store is damaged: runtime.db" in " ".join(health.json()["problems"]), health.text
+        await keel.terminate()
+    log = keel.output.decode()
+    assert log.count(f"{runtime_db}: the database file is damaged") == 1, log
+    assert RESTORE in log and "Traceback" not in log and "malformed" not in log, log
+
+
+async def test_a_turn_whose_save_meets_a_damaged_page_fails_saying_so_and_is_logged_once(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # A new conversation's first message goes where the newest events are: that page damaged,
+    # every turn's save fails there, until the file is restored.
+    state = tmp_path / "state"
+    await served_conversations(state, fake_model, 2)
+    fake_model.default = Reply(text="Never stored.")
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        runtime_db = state / "runtime.db"
+        flip(runtime_db, pages_of(runtime_db, "events")[-1], 0, 12)
+        for _ in range(2):
+            sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("Page the on-call")})
+            failed = sent["result"]["task"]
+            assert failed["status"]["state"] == "TASK_STATE_FAILED", failed
+            said = status_text(failed)
+            assert f"for context {failed['contextId']!r} failed: the server's storage is damaged where" in said, said
+            assert "storage is back" not in said and "runtime.db" not in said, said
+        await keel.terminate()
+    log = keel.output.decode()
+    assert log.count(f"{runtime_db}: the database file is damaged") == 1, log
+    assert RESTORE in log and "Traceback" not in log and "malformed" not in log, log
+
+
+async def test_a_write_ahead_log_of_the_other_database_beside_one_is_named_as_the_cause(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # After a crash each database's -wal holds what it committed since its last checkpoint: one
+    # copied over the other's (by hand, or by a tool that took them for the same), SQLite reads it
+    # as the file's, and tasks.db reads as a conversations database. The file is not the cause.
+    state = tmp_path / "state"
+    fake_model.script = [Reply(text="Rolled back.")]
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        await rpc(client, keel.url, "SendMessage", {"message": user_message("Roll back the deploy")})
+        await keel.kill()
+    (state / "tasks.db-wal").write_bytes((state / "runtime.db-wal").read_bytes())
+    before = fingerprint(state)
+
+    said = f"{state / 'tasks.db'}: is read as a keel.sessions database, not keel.tasks, because of the write-ahead log"
+    checked = await check(state)
+    assert said in checked and RESTORE in checked and "right place" not in checked, checked
+    refused = await refused_by_serve(state, fake_model.base_url)
+    assert said in refused and RESTORE in refused, refused
+    # Nor is it snapshotted, nor its -wal moved into it (closing what it copies from would), to be lost.
+    not_taken = await refused_snapshot(state, tmp_path / "backups")
+    assert f"{state / 'tasks.db'} cannot be snapshotted as it is: it is read as a keel.sessions database" in not_taken
+    assert RESTORE in not_taken, not_taken
+    after = fingerprint(state)  # a reader rebuilds the index of a -wal in its -shm: the rest is as it was
+    assert [name for name in after if after[name] != before.get(name) and not name.endswith("-shm")] == [], sorted(after)

@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from persistence.errors import DatabaseBusy, SchemaError, TranscriptConflict
+from persistence.errors import DatabaseBusy, SchemaError, TranscriptConflict, UnreadableSession
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
@@ -952,3 +952,40 @@ async def test_listings_and_finding_unfinished_tasks_read_no_more_among_thousand
     assert all(after <= 2 * before + 5 for before, after in zip(alone, among_others, strict=True)), (alone, among_others)
     assert totals == [3, 3, 3, 3, 5003]
     assert completed.total_size == 5000 and with_completed <= 2 * alone[0] + 5, with_completed
+
+
+def _damage(path: Path, text: bytes) -> None:
+    """Flip a byte in the middle of the one place ``text`` is stored in the database ``path`` (closed,
+    its -wal checkpointed into it): it is no longer UTF-8, and every page is sound."""
+    data = bytearray(path.read_bytes())
+    assert data.count(text) == 1
+    data[data.index(text) + len(text) // 2] ^= 0xFF
+    path.write_bytes(data)
+
+
+async def test_a_session_whose_stored_text_is_no_longer_utf8_is_named_unreadable_without_quoting_it(tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        for session in ("damaged", "sound"):
+            await store.save(session, [Message(role="user", text=f"{session} question " + "q" * 60)])
+            await store.add_steer(session, f"{session} steer " + "s" * 60, message_id=f"{session}-steer", record="{}")
+            await store.add_steer(session, "recorded", message_id=f"{session}-record", record=f'"{session} record {"r" * 60}"')
+    for stored in (b"question " + b"q" * 20, b"steer " + b"s" * 20, b"record " + b"r" * 20):
+        _damage(path, b"damaged " + stored)
+
+    async with open_session_store(path) as store:
+        reads = {
+            "its message 0 is not UTF-8": lambda: store.messages("damaged"),
+            # A save reads back what its writer does not know to be there (nothing, once opened).
+            "its message 0 is not UTF-8: byte": lambda: store.save("damaged", [Message(role="user", text="other")]),
+            "its steer 1 is not UTF-8": lambda: store.take_steers("damaged"),
+            "the record of its steer 'damaged-record' is not UTF-8": lambda: store.pending_steers(session_id="damaged"),
+        }
+        for said, read in reads.items():
+            with pytest.raises(UnreadableSession) as raised:
+                await read()
+            assert f"session 'damaged' in runtime.db cannot be read ({said}" in str(raised.value)
+            assert "state restore" in str(raised.value) and "qqqq" not in str(raised.value)
+        assert [message.text for message in await store.messages("sound")] == ["sound question " + "q" * 60]
+        assert await store.take_steers("sound") == ["sound steer " + "s" * 60, "recorded"]
+        assert [steer.message_id for steer in await store.pending_steers(session_id="sound")] == ["sound-steer", "sound-record"]
