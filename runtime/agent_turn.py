@@ -21,7 +21,7 @@ from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
 from runtime.agent import AgentError, AgentRun, AgentSpec, BudgetExhausted, MaxStepsReached, Model
 from runtime.endings import OVERTAKEN, SHUT_DOWN, Outcome, Working, answer_streamer, answered, completed, settle, turn_of
-from runtime.models import ModelError
+from runtime.models import ModelError, ModelTimeout
 from runtime.reachable import ModelWait
 from runtime.tasks import LiveTask, message_text
 from runtime.turns import Turns
@@ -116,6 +116,8 @@ class TurnTaker:
         elif isinstance(exc, ModelError):
             where = f"; the model server is {self.model_endpoint}" if self.model_endpoint else ""
             said = f"; it said: {exc.detail}" if exc.detail else ""
+            if isinstance(exc, ModelTimeout) and not exc.connecting:  # a silence the operator bounds
+                said += f"; AGENT_MODEL_TIMEOUT_S (--model-timeout-s) is {exc.timeout_s:g}s: raise it for a slow model"
             logger.warning("%s%s%s", about, where, said)
         elif cause is None:
             logger.info("%s", about)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -50,6 +51,23 @@ MAX_LINE_CHARS = 16 << 20  # one line of a streamed answer, and one event's data
 MAX_REASONING_CHARS = MAX_EVENT_BYTES
 
 
+# A connection left silent (a model that sends nothing until it has loaded, which for Ollama can
+# take minutes) is probed by the kernel after KEEPALIVE_IDLE_S, then every KEEPALIVE_INTERVAL_S:
+# a NAT or a firewall on the way that forgets idle connections (AWS's NAT gateways after 350 s,
+# Azure's load balancers after 4 minutes) sees it in use, and a peer gone without a word (its host
+# off, the path cut) is found after KEEPALIVE_PROBES unanswered probes, rather than once
+# read_timeout_s has passed, which an operator raises for such a model.
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_PROBES = 3
+_KEEPALIVE_TIMES = {"TCP_KEEPIDLE": KEEPALIVE_IDLE_S, "TCP_KEEPINTVL": KEEPALIVE_INTERVAL_S, "TCP_KEEPCNT": KEEPALIVE_PROBES}
+KEEPALIVE_OPTIONS = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)] + [
+    (socket.IPPROTO_TCP, getattr(socket, name), value)
+    for name, value in _KEEPALIVE_TIMES.items()
+    if hasattr(socket, name)  # Linux's; a system without them keeps its own times
+]
+
+
 @asynccontextmanager
 async def open_model_client(config: ModelConfig) -> AsyncIterator[ModelClient]:
     """A ModelClient with its own connection pool, closed when the block exits.
@@ -58,7 +76,8 @@ async def open_model_client(config: ModelConfig) -> AsyncIterator[ModelClient]:
     model server is reached directly.
     """
     limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
-    transport = QueuedTransport(httpx.AsyncHTTPTransport(limits=limits, trust_env=False), config.max_connections)
+    pool = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, socket_options=KEEPALIVE_OPTIONS)
+    transport = QueuedTransport(pool, config.max_connections)
     async with httpx.AsyncClient(trust_env=False, follow_redirects=False, transport=transport) as http:
         yield ModelClient(config, http)
 

@@ -84,10 +84,16 @@ class ModelRateLimited(ModelError):
 class ModelTimeout(ModelError):
     may_pass = True
 
-    def __init__(self, model: str, waiting_for: str, timeout_s: float, *, detail: str = "", attempts: int = 1) -> None:
-        reason = f"nothing arrived within {timeout_s:g}s while waiting for {waiting_for}"
+    def __init__(self, model: str, waiting_for: str | None, timeout_s: float, *, detail: str = "", attempts: int = 1) -> None:
+        """``waiting_for``: what did not come once the server had the connection; None: the
+        connection itself (``connecting``), which was never made."""
+        if waiting_for is None:
+            reason = f"no connection to the model server was made within {timeout_s:g}s"
+        else:
+            reason = f"nothing arrived within {timeout_s:g}s while waiting for {waiting_for}"
         super().__init__(model, "timed out", reason, detail=detail, attempts=attempts)
         self.timeout_s = timeout_s
+        self.connecting = waiting_for is None
 
 
 # A refusal of who asks, when that is not an API key: the base URL's credentials, or nothing.

@@ -10,6 +10,7 @@ the client that sends the requests and sleeps between attempts, and can be read 
 from __future__ import annotations
 
 import email.utils
+import ipaddress
 import math
 import ssl
 from datetime import datetime, timezone
@@ -68,10 +69,13 @@ def failure_to_send(config: ModelConfig, exc: httpx.RequestError, attempt: int, 
     ``waiting_for``: what a read timeout says it waited for."""
     model, detail = config.model, _detail(config, exc)
     if isinstance(exc, httpx.ConnectTimeout):
-        error = ModelTimeout(model, "a connection", config.connect_timeout_s, detail=detail, attempts=attempt)
+        detail = _timed_out(exc, f"the connection was not made in {config.connect_timeout_s:g}s: {_not_made(config)}")
+        error = ModelTimeout(model, None, config.connect_timeout_s, detail=detail, attempts=attempt)
         return Failure(error, retry=True)
     if isinstance(exc, httpx.TimeoutException):
         # The server took the request and is slow to answer it; asking again would only add load.
+        said = "took no more of the request" if isinstance(exc, httpx.WriteTimeout) else "sent no byte of the response"
+        detail = _timed_out(exc, f"the server {said} in {config.read_timeout_s:g}s")
         error = ModelTimeout(model, waiting_for, config.read_timeout_s, detail=detail, attempts=attempt)
         return Failure(error, retry=False)
     starved = _starved(exc)
@@ -130,6 +134,7 @@ def broken_answer(
     ``reasoning_s``: see part_awaited."""
     model, detail = config.model, _detail(config, exc)
     if isinstance(exc, httpx.TimeoutException):
+        detail = _timed_out(exc, f"the server sent no byte of the answer in {config.read_timeout_s:g}s")
         return ModelTimeout(model, part_awaited(started, reasoning_s), config.read_timeout_s, detail=detail)
     if isinstance(exc, httpx.DecodingError):
         return ModelBadResponse(model, "the body could not be decoded", detail=detail)
@@ -147,6 +152,35 @@ def part_awaited(started: bool, reasoning_s: float | None = None) -> str:
     if reasoning_s is not None:
         return f"the model to go on reasoning (it had been reasoning for {reasoning_s:.1f}s; none of its answer had come)"
     return "the rest of the answer" if started else "the answer to start"
+
+
+def _not_made(config: ModelConfig) -> str:
+    """Why a connection is not made in time, where a host that is up and has nothing listening
+    refuses it at once. (httpx bounds the look-up of a host's name, and a TLS handshake, by the
+    connect timeout too.)"""
+    parts = urlsplit(config.base_url)
+    causes = ["the host is off or unreachable"]
+    if not _is_address(parts.hostname or ""):
+        causes.append("its name was not looked up in time (a DNS server that does not answer)")
+    causes += ["a firewall drops what is sent to it", "the server has more connections waiting than it takes"]
+    if parts.scheme == "https":
+        causes.append("the TLS handshake did not finish")
+    said = ", ".join(causes[:-1])
+    return f"not a refusal, which a host that is up sends at once when nothing listens; {said}, or {causes[-1]}"
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _timed_out(exc: httpx.TimeoutException, what: str) -> str:
+    """A timeout's detail for the log: what did not come, and in how long. httpx says nothing of
+    its own there, and what it wraps is the event loop's deadline, not the network's doing."""
+    return f"{type(exc).__name__}: {what}"
 
 
 def _detail(config: ModelConfig, exc: Exception) -> str:

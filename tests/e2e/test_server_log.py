@@ -17,6 +17,7 @@ from runtime.agent import AgentSpec, Tool
 from tests.e2e.harness import rpc, user_message
 from tests.e2e.served_server import running_server
 from tests.runtime.served import GATE_CALL, Gate
+from tests.runtime.unanswered import unanswered_model_url
 
 SECRET = "sk-keel-log-SECRET-4242"
 MODEL = "qwen3:4b-instruct"
@@ -67,6 +68,38 @@ async def test_a_task_the_model_fails_is_logged_once_as_a_warning_naming_it_its_
     assert line.levelno == logging.WARNING, line.getMessage()
     assert task["contextId"] in line.getMessage() and model.base_url in line.getMessage(), line.getMessage()
     assert SECRET not in caplog.text and SECRET not in str(sent)
+
+
+async def test_a_task_the_model_left_silent_is_logged_naming_the_setting_that_bounds_the_silence(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    model: FakeModel = await nursery.start(FakeModel(default=Reply(text="never whole", hang_after_chunks=1)).serve)
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        running_server(tmp_path / "state", model.base_url, model_timeout_s=0.5) as server,
+    ):
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("hi")})
+    task = sent["result"]["task"]
+    assert "nothing arrived within 0.5s" in str(task["status"])
+    [line] = said(caplog, task["id"])
+    assert "AGENT_MODEL_TIMEOUT_S (--model-timeout-s) is 0.5s" in line.getMessage(), line.getMessage()
+    assert "AGENT_MODEL_TIMEOUT_S" not in str(sent)  # the operator's to change, not the client's
+
+
+async def test_healthz_whose_model_server_never_answers_a_connection_says_so_within_its_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its host off, or a firewall dropping what is sent to it: no refusal comes, the connect waits.
+    with unanswered_model_url() as url:
+        async with httpx.AsyncClient(timeout=30) as client, running_server(tmp_path / "state", url) as server:
+            began = trio.current_time()
+            health = await client.get(server.url + "healthz")
+            took_s = trio.current_time() - began
+    assert health.status_code == 503 and "no connection to the model server was made within 1s" in health.text, health.text
+    assert took_s < 3, took_s
+    [line] = said(caplog, "readiness")
+    assert url.removesuffix("/v1") in line.getMessage() and "not a refusal" in line.getMessage(), line.getMessage()
+    assert "Cancelled" not in caplog.text and "deadline" not in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import email.utils
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -44,6 +45,8 @@ from runtime.models import (
 )
 from runtime.models.assembly import StreamAssembler
 from runtime.models.client import AFTER_DONE_S
+from runtime.models.failures import failure_to_send
+from tests.runtime.unanswered import unanswered_model_url
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 10.0  # generous: every wait in these tests is on loopback
@@ -354,6 +357,85 @@ async def test_connection_refused_ends_in_model_unavailable_after_bounded_retrie
     # What the operator's log gets says why, once: the refusal under httpx's words, not them again.
     said = raised.value.detail.split("; from ")
     assert len(said) == 2 and said[-1].startswith("ConnectionRefusedError: ") and said[-1].endswith("Connection refused"), said
+
+
+async def test_a_model_server_that_never_answers_a_connection_is_a_timeout_each_attempt_in_the_operators_words() -> None:
+    # Its host off, or a firewall dropping what is sent to it: no refusal comes, each connect waits.
+    with unanswered_model_url() as url:
+        config = ModelConfig(base_url=url, connect_timeout_s=0.2, max_retries=1, backoff_base_s=0.001, backoff_max_s=0.01)
+        with trio.fail_after(DEADLINE_S):
+            async with open_model_client(config) as client:
+                with pytest.raises(ModelTimeout) as raised:
+                    await client.complete(ASK)
+    assert str(raised.value) == (
+        "model 'qwen3:4b-instruct' timed out: no connection to the model server was made within 0.2s (gave up after 2 attempts)"
+    )
+    assert raised.value.retryable and raised.value.may_pass
+    # The log's words say what happened, not the event loop's ("Cancelled: cancelled due to deadline").
+    assert "Cancelled" not in raised.value.detail and "deadline" not in raised.value.detail, raised.value.detail
+    assert raised.value.detail.startswith("ConnectTimeout: the connection was not made in 0.2s: not a refusal")
+
+
+def _tcp_timer(remote_port: int) -> tuple[int, float]:
+    """The kernel's timer on this machine's established IPv4 connection to ``remote_port`` on
+    loopback (its kind: 0 none, 1 retransmission, 2 keep-alive, 4 zero window probe; and the
+    seconds until it fires), as /proc/net/tcp shows it."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == remote_port and fields[3] == "01":
+            kind, when = fields[5].split(":")
+            return int(kind, 16), int(when, 16) / os.sysconf("SC_CLK_TCK")
+    raise LookupError(f"no connection to port {remote_port}")
+
+
+async def test_a_model_connection_waiting_in_silence_is_kept_alive_by_the_kernel(fake_model: FakeModel) -> None:
+    # A model that sends nothing until it has loaded (Ollama, for minutes) leaves the connection
+    # idle; a NAT or a firewall between the two forgets an idle connection (AWS's NAT gateways
+    # after 350 s, Azure's load balancers after 4 minutes), and then neither side hears of it
+    # until the timeout. TCP keep-alives keep it remembered, and find a peer that is gone.
+    fake_model.default = Reply(text="loaded at last", delay_s=DEADLINE_S)
+    port = int(fake_model.base_url.rsplit(":", 1)[1].split("/")[0])
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client, trio.open_nursery() as nursery:
+            nursery.start_soon(client.complete, ASK)
+            while not fake_model.bodies:
+                await trio.sleep(0.01)
+            kind, when_s = _tcp_timer(port)
+            nursery.cancel_scope.cancel()
+    assert kind == 2 and when_s <= 60, (kind, when_s)  # a keep-alive, well within those idle timeouts
+
+
+@pytest.mark.parametrize(
+    ("base_url", "looked_up", "tls"),
+    [
+        ("http://models.internal:8000/v1", True, False),
+        ("https://models.example/v1", True, True),
+        ("http://10.0.0.7:8000/v1", False, False),
+        ("http://[::1]:8000/v1", False, False),
+    ],
+)
+def test_a_connection_not_made_in_time_is_explained_by_what_its_address_could_have_met(
+    base_url: str, looked_up: bool, tls: bool
+) -> None:
+    # httpx bounds the look-up of a host's name and a TLS handshake by the connect timeout too.
+    failure = failure_to_send(ModelConfig(base_url=base_url), httpx.ConnectTimeout(""), 1, "the answer to start")
+    assert failure.retry and isinstance(failure.error, ModelTimeout) and failure.error.connecting
+    assert ("a DNS server that does not answer" in failure.error.detail) is looked_up, failure.error.detail
+    assert ("the TLS handshake did not finish" in failure.error.detail) is tls, failure.error.detail
+
+
+async def test_a_model_server_that_takes_the_request_and_never_answers_times_out_in_the_operators_words(
+    fake_model: FakeModel,
+) -> None:
+    fake_model.default = Reply(text="too late", delay_s=DEADLINE_S)
+    config = attrs.evolve(config_for(fake_model), read_timeout_s=0.2)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config) as client:
+            with pytest.raises(ModelTimeout, match=r"nothing arrived within 0\.2s while waiting for the answer") as raised:
+                await client.complete(ASK)
+    assert raised.value.attempts == 1  # the server has the request: asking again would only add to its load
+    assert "Cancelled" not in raised.value.detail and "deadline" not in raised.value.detail, raised.value.detail
+    assert raised.value.detail == "ReadTimeout: the server sent no byte of the response in 0.2s", raised.value.detail
 
 
 async def test_rejected_request_is_not_retried(fake_model: FakeModel) -> None:
