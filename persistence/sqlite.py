@@ -459,6 +459,12 @@ class SqlitePool:
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
     _damaged: bool = attrs.field(init=False, default=False)  # SQLite found the file damaged since it opened
+    # What check_file stats, made once: every write batch calls it, and a Path's with_name and
+    # its conversion to text for each stat cost more than the stats themselves.
+    _watched: tuple[tuple[str, tuple[int, int] | None, bool], ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._watched = ((os.fspath(self.path), self._file, False), (os.fspath(_log_of(self.path)), self._log, True))
 
     @classmethod
     async def open(cls, path: Path, schema: Schema, *, synchronous: str = "FULL") -> SqlitePool:
@@ -485,7 +491,7 @@ class SqlitePool:
         """Raise DatabaseGone if the file opened, or its -wal, is no longer at its path (removed,
         or replaced: a state directory deleted under the server, say). SQLite goes on writing to
         the -wal it has open, which no process reads after this one. Blocking: two stats."""
-        for path, opened, log in ((self.path, self._file, False), (_log_of(self.path), self._log, True)):
+        for path, opened, log in self._watched:
             try:
                 now = os.stat(path)
             except OSError:

@@ -14,6 +14,9 @@ from typing import Any
 import attrs
 
 ROLES = ("system", "user", "assistant", "tool")
+# The stored form's encoder, made once: json.dumps with options makes a new one for every call,
+# and every save encodes each message it appends.
+_STORED_FORM = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 @attrs.frozen
@@ -67,7 +70,7 @@ class Message:
             data["partial"] = True
         if self.turn_id:
             data["turn_id"] = self.turn_id
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        return _STORED_FORM.encode(data)
 
     def stored_bytes(self) -> int:
         """The size of the stored form in bytes: what a store's ``max_event_bytes`` bounds."""

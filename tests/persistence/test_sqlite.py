@@ -447,6 +447,20 @@ async def test_a_database_file_removed_under_its_store_takes_no_writes_until_it_
         assert [event.content for event in await store.events("s")] == ['{"n":1}', '{"n":3}']
 
 
+async def test_a_log_removed_under_its_store_takes_no_writes(tmp_path: Path) -> None:
+    from persistence.errors import DatabaseGone
+
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        await store.append("s", ['{"n":1}'])
+        (tmp_path / "runtime.db-wal").rename(tmp_path / "moved.db-wal")  # SQLite would go on writing to it
+        for n in (2, 3):  # every write, not only the first after it went
+            with pytest.raises(DatabaseGone, match=r"runtime\.db-wal: the database's write-ahead log was removed or replaced"):
+                await store.append("s", [f'{{"n":{n}}}'])
+    with closing(sqlite3.connect(path)) as conn:
+        assert [row[0] for row in conn.execute("SELECT content FROM events")] == ['{"n":1}']
+
+
 async def append_waiting(store: SqliteSessionStore) -> None:
     """An append that waits on another program's lock; what becomes of it is not this test's."""
     from persistence.errors import DatabaseFailed, StoreClosed
