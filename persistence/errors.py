@@ -209,6 +209,15 @@ class DatabaseDamaged(DatabaseFailed):
         )
 
 
+def told_before(exc: BaseException | None) -> str | None:
+    """For a log line: a file found damaged again (``DatabaseDamaged`` not ``first``) in a few
+    words, naming it, since the log said what to do the first time; None for any other failure,
+    whose own words the line gives each time."""
+    if isinstance(exc, DatabaseDamaged) and not exc.first:
+        return f"{exc.path} is damaged, as logged when it was first found"
+    return None
+
+
 def is_damage(exc: BaseException) -> bool:
     """Whether a store failed because what it read or wrote is damaged (a page of its file, or a
     row): no outage that passes, but its operator's to restore."""

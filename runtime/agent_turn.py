@@ -15,7 +15,7 @@ import attrs
 import trio
 
 from persistence.api import SessionStore, TaskStore
-from persistence.errors import DatabaseDamaged, StoreError, is_damage
+from persistence.errors import DatabaseDamaged, StoreError, is_damage, told_before
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
@@ -164,7 +164,8 @@ async def orphan_outcome(sessions: SessionStore, task: Task, live: LiveTask) -> 
     except StoreError as exc:  # a damaged conversation fails its own orphan, and keeps no other from ending
         logger.warning(
             "failing task %s left %s by a process that stopped (orphans: fail); its conversation, context %s, could"
-            " not be read to find whether its answer was stored: %s", task.id, task.status.state.value, task.context_id, exc,
+            " not be read to find whether its answer was stored: %s",
+            task.id, task.status.state.value, task.context_id, told_before(exc) or exc,
         )  # fmt: skip
         return settle(TaskState.FAILED, reason)
     turn, _ = turn_of(messages, task.id)

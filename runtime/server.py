@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import resource
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -50,12 +51,15 @@ from runtime.config import Config, preflight
 from runtime.http_server import OneLine, serve_http
 from runtime.models import ModelConfig, open_model_client
 from runtime.runner import Runner, RunnerConfig
+from runtime.starved import model_connections_allowed
 from runtime.surface import Health, Readiness, SurfaceConfig, create_app
 from runtime.surface.health import ModelCatalog
 
 logger = logging.getLogger(__name__)
 
 HTTP_GRACE_S = 2.0
+# How long readiness waits for the model server's catalog once connected (a list, read at once).
+PROBE_READ_TIMEOUT_S = 5.0
 ONE_LINE = OneLine()
 
 
@@ -218,49 +222,53 @@ async def _serve_http(
     """Step 7: the A2A surface on hypercorn, until the drain is over and HTTP has closed."""
     sessions, tasks = stores
     readiness = Readiness()
-    health = Health(
-        state_dir=config.state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping,
-        opened={SESSIONS_FILE: sessions.pool.check_sound, TASKS_FILE: tasks.pool.check_sound},
-    )  # fmt: skip
-    http_done = trio.Event()
+    # The model catalog checks /healthz sets going run here, over when HTTP is (the catalog
+    # client closes after).
+    async with trio.open_nursery() as checks:
+        health = Health(
+            state_dir=config.state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping,
+            background=checks, opened={SESSIONS_FILE: sessions.pool.check_sound, TASKS_FILE: tasks.pool.check_sound},
+        )  # fmt: skip
+        http_done = trio.Event()
 
-    async def drain_then_close_http() -> None:
-        # New tasks are refused from the signal on, and /healthz says unready so that a
-        # load balancer moves away; the rest of the protocol keeps answering while runs
-        # finish (a client can still follow, get or cancel its task). Once every run has
-        # settled, HTTP closes, with a short grace for the requests still in flight.
-        await shutdown.wait()
-        running = runner.statistics().running
-        drain = f"{running} task(s) running have {config.drain_timeout_s:g} s to finish" if running else "no task is running"
-        logger.info("shutting down: no new tasks; %s", drain)
+        async def drain_then_close_http() -> None:
+            # New tasks are refused from the signal on, and /healthz says unready so that a
+            # load balancer moves away; the rest of the protocol keeps answering while runs
+            # finish (a client can still follow, get or cancel its task). Once every run has
+            # settled, HTTP closes, with a short grace for the requests still in flight.
+            await shutdown.wait()
+            running = runner.statistics().running
+            drain = f"{running} task(s) running have {config.drain_timeout_s:g} s to finish" if running else "no task is running"
+            logger.info("shutting down: no new tasks; %s", drain)
+            runner.stop()
+            async with trio.open_nursery() as watching:  # this trigger's own, over when the drain is
+                if hurry is not None:
+                    watching.start_soon(_hurry_when, hurry, runner)
+                await runner.wait_stopped()
+                watching.cancel_scope.cancel()
+
+        async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            try:
+                await serve_http(
+                    create_app(
+                        runner=runner, card_for=agent_card, health=health, readiness=readiness,
+                        config=SurfaceConfig(public_url=config.public_url),
+                    ),  # fmt: skip
+                    http_config,
+                    shutdown_trigger=drain_then_close_http,
+                    task_status=task_status,
+                )
+            finally:
+                http_done.set()
+
+        binds = await nursery.start(http)  # step 7
+        readiness.set()
+        started.set()
+        task_status.started(Started(binds=tuple(binds)))
+        await http_done.wait()
         runner.stop()
-        async with trio.open_nursery() as watching:  # this trigger's own, over when the drain is
-            if hurry is not None:
-                watching.start_soon(_hurry_when, hurry, runner)
-            await runner.wait_stopped()
-            watching.cancel_scope.cancel()
-
-    async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-        try:
-            await serve_http(
-                create_app(
-                    runner=runner, card_for=agent_card, health=health, readiness=readiness,
-                    config=SurfaceConfig(public_url=config.public_url),
-                ),  # fmt: skip
-                http_config,
-                shutdown_trigger=drain_then_close_http,
-                task_status=task_status,
-            )
-        finally:
-            http_done.set()
-
-    binds = await nursery.start(http)  # step 7
-    readiness.set()
-    started.set()
-    task_status.started(Started(binds=tuple(binds)))
-    await http_done.wait()
-    runner.stop()
-    await runner.wait_stopped()
+        await runner.wait_stopped()
+        checks.cancel_scope.cancel()
 
 
 async def _hurry_when(hurry: trio.Event, runner: Runner) -> None:
@@ -274,13 +282,22 @@ async def _model_clients(config: Config, in_process: InProcessModel | None) -> A
     if in_process is not None:
         yield in_process, in_process
         return
+    file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    max_connections = model_connections_allowed(config.max_model_connections, file_limit)
+    if max_connections < config.max_model_connections:
+        logger.warning(
+            "at most %d model connections, not AGENT_MAX_MODEL_CONNECTIONS=%d: this process may have %d files open"
+            " (ulimit -n), and a model server that stalls must leave the clients as many; raise the limit for more",
+            max_connections, config.max_model_connections, file_limit,
+        )  # fmt: skip
     model_config = ModelConfig(
         base_url=config.model_base_url, model=config.model, api_key=config.model_api_key,
-        max_connections=config.max_model_connections, read_timeout_s=config.model_timeout_s,
+        max_connections=max_connections, read_timeout_s=config.model_timeout_s,
     )  # fmt: skip
-    # Readiness asks the catalog once, quickly: a probe that retried with backoff would make
-    # /healthz slow exactly when the model server is down.
-    probe_config = attrs.evolve(model_config, max_retries=0, connect_timeout_s=1.0, read_timeout_s=2.0)
+    # Readiness asks the catalog once, not again with backoff, and with a task's connect timeout:
+    # a model server that tasks reach is not called unreachable. A request for /healthz does not
+    # wait for that (surface.health.MODEL_WAIT_S). A resumed run waiting for its model asks it too.
+    probe_config = attrs.evolve(model_config, max_retries=0, read_timeout_s=PROBE_READ_TIMEOUT_S)
     logger.info("model %r at %s", model_config.model, model_config.endpoint)
     async with open_model_client(model_config) as model, open_model_client(probe_config) as catalog:
         yield model, catalog

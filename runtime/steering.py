@@ -113,7 +113,8 @@ class Steering:
         try:
             pending = await self.sessions.pending_steers(session_id=context_id, task_id=task_id)
         except (store_errors.StoreError, TimeoutError) as exc:
-            logger.warning("the steers stored and not yet in their tasks' histories could not be read: %s", exc)
+            said = store_errors.told_before(exc) or exc
+            logger.warning("the steers stored and not yet in their tasks' histories could not be read: %s", said)
             return
         recorded: dict[str, list[str]] = {}  # message ids, by context: marked in one write each
         for steer in pending:
@@ -122,7 +123,7 @@ class Steering:
             except (store_errors.StoreError, TimeoutError, ProtocolError, ValueError, KeyError) as exc:
                 logger.warning(
                     "task %s: the steer %r stored for it in context %s is not yet in its history: %s",
-                    steer.task_id, steer.message_id, steer.session_id, exc,
+                    steer.task_id, steer.message_id, steer.session_id, store_errors.told_before(exc) or exc,
                 )  # fmt: skip
             else:
                 recorded.setdefault(steer.session_id, []).append(steer.message_id)
@@ -130,7 +131,8 @@ class Steering:
             try:
                 await self.sessions.steers_recorded(session_id, message_ids)
             except (store_errors.StoreError, TimeoutError) as exc:  # recorded again, as a no-op, by the next call
-                logger.warning("context %s: the steers its tasks have recorded could not be marked so: %s", session_id, exc)
+                said = store_errors.told_before(exc) or exc
+                logger.warning("context %s: the steers its tasks have recorded could not be marked so: %s", session_id, said)
 
     async def _record(self, steer: PendingSteer) -> None:
         if steer.task_id is None:

@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from persistence.api import SessionStore
-from persistence.errors import StoreError
+from persistence.errors import StoreError, told_before
 from persistence.session import Session
 from protocol import Task
 from runtime.tasks import LiveTask
@@ -64,7 +64,8 @@ class Turns:
                 try:
                     messages = await Session.open(context_id, self.sessions).messages()
                 except StoreError as exc:  # each run reads it again, and fails saying why
-                    logger.warning("context %s: its transcript could not be read to order its resumed tasks: %s", context_id, exc)
+                    said = told_before(exc) or exc
+                    logger.warning("context %s: its transcript could not be read to order its resumed tasks: %s", context_id, said)
                     messages = []
                 begun = {message.turn_id: index for index, message in enumerate(messages) if message.turn_id}
                 tasks.sort(key=lambda task: begun.get(task.id, len(messages)))  # stable: the others stay oldest first

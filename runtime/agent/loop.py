@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from persistence.errors import is_damage
+from persistence.errors import is_damage, told_before
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
@@ -191,7 +191,7 @@ class AgentRun:
             try:
                 await self._save("saving the last step", before_model=False)
             except SaveFailed as exc:
-                logger.warning("%s (%r)", exc, exc.__cause__)
+                logger.warning("%s (%s)", exc, told_before(exc.__cause__) or repr(exc.__cause__))
             raise
         finally:
             self._unapplied.extend(self._box.close())
@@ -405,7 +405,7 @@ class AgentRun:
         try:
             await self._save("saving the partial answer", before_model=False, bound_s=CLEANUP_TIMEOUT_S)
         except SaveFailed as exc:  # the run is already ending with the error that cut the answer off
-            logger.warning("%s (%r)", exc, exc.__cause__)
+            logger.warning("%s (%s)", exc, told_before(exc.__cause__) or repr(exc.__cause__))
 
     async def _call_tools(self, tools: dict[str, Tool], calls: Sequence[ToolCall]) -> None:
         task_id = self.session.task_id if self.session else None

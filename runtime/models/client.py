@@ -209,7 +209,10 @@ class ModelClient:
 
     async def _wait_to_retry(self, failure: Failure, attempt: int) -> None:
         """Sleep before the next attempt, or raise the failure's error if there is none."""
-        if not failure.retry or attempt > self.config.max_retries:
+        retries = self.config.max_retries
+        if failure.retries_at_most is not None:
+            retries = min(retries, failure.retries_at_most)
+        if not failure.retry or attempt > retries:
             raise failure.error
         delay_s = min(self.config.backoff_max_s, self.config.backoff_base_s * 2 ** (attempt - 1))
         if failure.retry_after_s is not None:

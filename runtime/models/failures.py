@@ -43,6 +43,7 @@ class Failure:
     error: ModelError
     retry: bool
     retry_after_s: float | None = None
+    retries_at_most: int | None = None  # fewer than the client's max_retries, for this failure
 
     def __attrs_post_init__(self) -> None:
         self.error.retryable = self.retry  # raised once the client gives up, it still says so
@@ -64,6 +65,13 @@ _TOO_LONG_HINT = "; send the next message without a contextId, to start a new co
 _REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
 
 
+# A connection not made within its timeout is tried once more, not max_retries times: the kernel
+# already sends the connection request again within that timeout (after 1 s, then 3 s), so a host
+# that did not answer twice is off or cut off, and each try more only holds the run another
+# connect_timeout_s. Its error stays retryable: a resumed run waiting for the model server waits on.
+CONNECT_TIMEOUT_RETRIES = 1
+
+
 def failure_to_send(config: ModelConfig, exc: httpx.RequestError, attempt: int, waiting_for: str) -> Failure:
     """Errors before any response: the server has produced nothing, so retrying is safe.
     ``waiting_for``: what a read timeout says it waited for."""
@@ -71,7 +79,7 @@ def failure_to_send(config: ModelConfig, exc: httpx.RequestError, attempt: int, 
     if isinstance(exc, httpx.ConnectTimeout):
         detail = _timed_out(exc, f"the connection was not made in {config.connect_timeout_s:g}s: {_not_made(config)}")
         error = ModelTimeout(model, None, config.connect_timeout_s, detail=detail, attempts=attempt)
-        return Failure(error, retry=True)
+        return Failure(error, retry=True, retries_at_most=CONNECT_TIMEOUT_RETRIES)
     if isinstance(exc, httpx.TimeoutException):
         # The server took the request and is slow to answer it; asking again would only add load.
         said = "took no more of the request" if isinstance(exc, httpx.WriteTimeout) else "sent no byte of the response"

@@ -41,6 +41,13 @@ Ts = TypeVarTuple("Ts")
 
 NOT_STARTED = "the A2A server has not started"
 DEFAULT_PROBE_TIMEOUT_S = 5.0
+# How long a request waits for the model catalog check it set going (an answer on a working link
+# comes in milliseconds), before it answers with what the last check found: the check itself
+# takes as long as a task's connection may (5 s to connect), and a load balancer's probe may
+# allow 1 s. The bound on the check itself, whatever the catalog client's timeouts.
+MODEL_WAIT_S = 0.5
+MODEL_CHECK_MAX_S = 30.0
+MODEL_CHECK_PENDING = "the model catalog check has not finished yet"
 
 
 class ModelCatalog(Protocol):
@@ -82,6 +89,15 @@ class Readiness:
         return self._started.is_set()
 
 
+@attrs.define(eq=False)
+class _ModelCheck:
+    """The model catalog check that runs apart from the requests: the one under way (set when
+    it ends), and what the last one found (None: no problem; MODEL_CHECK_PENDING before the first)."""
+
+    found: str | None = MODEL_CHECK_PENDING
+    under_way: trio.Event | None = None
+
+
 class _Missing(Exception):
     """A store file that is not there (after startup it always is)."""
 
@@ -90,7 +106,11 @@ class _Missing(Exception):
 class Health:
     """What ``/healthz`` checks: the state directory, the two store files in it, and the model.
 
-    ``model`` None skips the model probe. The file names are those the server opens.
+    ``model`` None skips the model probe. The file names are those the server opens. With
+    ``background``, the model's catalog is asked there, one check at a time, so that it may take
+    as long as a task's connection may and outlive the request that set it going: a request
+    waits ``model_wait_s`` for it, then answers with what the last check found. Without it, the
+    catalog is asked within the request, as the files are.
     """
 
     state_dir: Path
@@ -103,6 +123,9 @@ class Health:
     opened: Mapping[str, Callable[[], None]] = attrs.field(factory=dict)
     probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
     min_free_bytes: int = attrs.field(default=MIN_FREE_BYTES, validator=attrs.validators.ge(0))
+    background: trio.Nursery | None = None
+    model_wait_s: float = attrs.field(default=MODEL_WAIT_S, validator=attrs.validators.gt(0))
+    _model_check: _ModelCheck = attrs.field(init=False, factory=_ModelCheck)
     # One worker thread per probe of a file at most: a check stuck on a stalled disk or on
     # another program's lock is abandoned, not stopped, and without these each poll would leave
     # one more thread waiting beside it, until Trio's shared threads (the model host's name
@@ -211,6 +234,38 @@ class Health:
         return await trio.to_thread.run_sync(fn, path, *args, limiter=threads, abandon_on_cancel=True)
 
     async def _model_problem(self) -> str | None:
+        if self.background is None:
+            return await self._catalog_problem()
+        check = self._model_check
+        if check.under_way is None:
+            check.under_way = trio.Event()
+            self.background.start_soon(self._check_model, check.under_way)
+        with trio.move_on_after(self.model_wait_s):
+            await check.under_way.wait()
+        return check.found
+
+    async def _check_model(self, ended: trio.Event) -> None:
+        """One model catalog check, in the background: what it finds is kept for the requests."""
+        found: str | None = MODEL_CHECK_PENDING
+        try:
+            with trio.move_on_after(MODEL_CHECK_MAX_S) as bound:
+                found = await self._catalog_problem()
+            if bound.cancelled_caught:
+                found = self._found(
+                    f"the model catalog check did not finish within {MODEL_CHECK_MAX_S:g} s",
+                    "readiness: the model catalog check took longer than %g s", MODEL_CHECK_MAX_S,
+                )  # fmt: skip
+        except Exception:  # a probe that breaks is a problem too; how it broke is for the log
+            found = self._found(
+                "the model catalog check failed unexpectedly (the log says how)",
+                "readiness: the model catalog check failed", bug=True,
+            )  # fmt: skip
+        finally:
+            self._model_check.found = found
+            self._model_check.under_way = None
+            ended.set()
+
+    async def _catalog_problem(self) -> str | None:
         assert self.model is not None, "only probed when configured"
         # Its address stays in the log and in `check`: to a client it is a connection string.
         name, endpoint = self.model.model, self.model.endpoint

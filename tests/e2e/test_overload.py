@@ -179,3 +179,32 @@ async def test_a_drain_that_cancels_hundreds_of_runs_waiting_for_the_model_ends_
                 sending.start_soon(rpc, client, keel.url, "SendMessage", {"message": user_message("wait"), **params})
         assert await keel.terminate() == 0
     assert "shutting down: 300 task(s) did not finish within 0.5 s and are canceled" in keel.output.decode()
+
+
+async def test_a_stalled_model_leaves_the_server_descriptors_for_livez_and_a_cancel(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # With as many model connections as were asked (100), the runs of a stalled model took every
+    # descriptor: nothing was accepted, not even /livez or a CancelTask, until the model timed out.
+    allowed = (FILE_LIMIT - 20) // 2
+    fake_model.default = Reply(text="late", delay_s=60)
+    async with started_keel(limited(tmp_path / "state", fake_model.base_url)) as keel:
+        async with httpx.AsyncClient(timeout=DEADLINE_S, limits=httpx.Limits(max_connections=1)) as client:
+            tasks = []
+            for number in range(FILE_LIMIT):
+                params = {"message": user_message(f"hello {number}"), "configuration": {"returnImmediately": True}}
+                tasks.append((await rpc(client, keel.url, "SendMessage", params))["result"]["task"]["id"])
+            with trio.fail_after(DEADLINE_S):
+                while len(fake_model.bodies) < allowed:
+                    await trio.sleep(0.01)  # polling what the model was sent against the deadline
+        async with httpx.AsyncClient(timeout=DEADLINE_S) as client:
+            alive = await client.get(keel.url + "livez")
+            canceled = await rpc(client, keel.url, "CancelTask", {"id": tasks[-1]})
+        assert alive.status_code == 200, alive.text
+        assert canceled["result"]["status"]["state"] == "TASK_STATE_CANCELED", canceled
+        assert len(fake_model.bodies) == allowed
+        await keel.kill()
+    output = keel.output.decode()
+    said = f"at most {allowed} model connections, not AGENT_MAX_MODEL_CONNECTIONS=100"
+    assert output.count(said) == 1 and f"may have {FILE_LIMIT} files open (ulimit -n)" in output, output
+    assert "Too many open files" not in output, output

@@ -376,6 +376,19 @@ async def test_a_model_server_that_never_answers_a_connection_is_a_timeout_each_
     assert raised.value.detail.startswith("ConnectTimeout: the connection was not made in 0.2s: not a refusal")
 
 
+async def test_a_model_server_that_never_answers_a_connection_is_tried_once_more_not_every_retry() -> None:
+    # The kernel already sends the connection request again within each connect timeout: a third
+    # try of a host that has not answered two only made a new task fail 16 s after it began, not 11.
+    with unanswered_model_url() as url:
+        config = ModelConfig(base_url=url, connect_timeout_s=0.2, max_retries=2, backoff_base_s=0.001, backoff_max_s=0.01)
+        with trio.fail_after(DEADLINE_S):
+            async with open_model_client(config) as client:
+                with pytest.raises(ModelTimeout) as raised:
+                    await client.complete(ASK)
+    assert raised.value.attempts == 2, str(raised.value)
+    assert raised.value.retryable  # a resumed run waiting for its model server still waits on
+
+
 def _tcp_timer(remote_port: int) -> tuple[int, float]:
     """The kernel's timer on this machine's established IPv4 connection to ``remote_port`` on
     loopback (its kind: 0 none, 1 retransmission, 2 keep-alive, 4 zero window probe; and the
