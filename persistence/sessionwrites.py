@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -76,13 +76,19 @@ def check_texts(conn: sqlite3.Connection, session_id: str, what: str, sql: str, 
     it holds is not repeated; returns if there is none (the read failed otherwise). Only a read
     that failed is done again so: the driver decodes for nothing more than this would."""
     for key, *texts in conn.execute(sql, params):
-        for text in texts:
-            if text is None:
-                continue
-            try:
-                text.decode()
-            except UnicodeDecodeError as exc:
-                raise UnreadableSession(session_id, f"its {what} {key} is not UTF-8: byte {exc.start} of it is damaged") from None
+        _check_decodes(session_id, f"its {what} {key}", texts)
+
+
+def _check_decodes(session_id: str, named: str, texts: Iterable[bytes | None]) -> None:
+    """UnreadableSession saying that ``named`` (a row of the session) is not UTF-8, if one of
+    ``texts`` (its texts, as bytes; None for a NULL) is not."""
+    for text in texts:
+        if text is None:
+            continue
+        try:
+            text.decode()
+        except UnicodeDecodeError as exc:
+            raise UnreadableSession(session_id, f"{named} is not UTF-8: byte {exc.start} of it is damaged") from None
 
 
 @attrs.define(eq=False)
@@ -257,12 +263,7 @@ def pending_steers_txn(
         return conn.execute(_PENDING, (session_id, task_id)).fetchall()
     except sqlite3.OperationalError:
         for session, message_id, record in conn.execute(_PENDING_RECORDS_AS_BYTES, (session_id, task_id)):
-            try:
-                record.decode()
-            except UnicodeDecodeError as exc:
-                raise UnreadableSession(
-                    session, f"the record of its steer {message_id!r} is not UTF-8: byte {exc.start} of it is damaged"
-                ) from None
+            _check_decodes(session, f"the record of its steer {message_id!r}", (record,))
         raise
 
 

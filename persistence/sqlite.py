@@ -357,7 +357,8 @@ def check_intact(path: Path) -> None:
     not what it wrote (a disk that failed, bytes written by another program), an index that no
     longer matches its table. Served, such a file fails the requests that reach the damage, and
     a damaged index can answer wrongly (that a message started no task). Reads the whole file:
-    ``check`` and ``serve`` run it once, before they open the file. Blocking."""
+    ``check`` runs it, and ``serve`` does not, so that its start takes no longer as the state
+    grows. Blocking."""
     try:
         with closing(connect(path, readonly=True)) as conn:
             problems = [str(row[0]) for row in conn.execute("PRAGMA integrity_check(3)")]

@@ -119,7 +119,8 @@ class Health:
     task_file: str = TASKS_FILE
     draining: Callable[[], bool] | None = None  # true once the server is shutting down
     # For each store file the server has open, by name, a blocking check that it is still the
-    # file opened (``SqlitePool.check_file``): one removed or replaced under it takes no writes.
+    # file opened, and not found damaged (``SqlitePool.check_sound``): one removed or replaced
+    # under it takes no writes.
     opened: Mapping[str, Callable[[], None]] = attrs.field(factory=dict)
     probe_timeout_s: float = attrs.field(default=DEFAULT_PROBE_TIMEOUT_S, validator=attrs.validators.gt(0))
     min_free_bytes: int = attrs.field(default=MIN_FREE_BYTES, validator=attrs.validators.ge(0))
@@ -280,8 +281,11 @@ class Health:
             )  # fmt: skip
         if present:
             return None
+        problem = f"model unavailable: {name!r} is absent from the model server's catalog"
+        if problem in self._known:  # logged as it began: the catalog is not read a second time at every poll
+            return problem
         return self._found(
-            f"model unavailable: {name!r} is absent from the model server's catalog",
+            problem,
             "readiness: model %r is absent from the catalog of the model server at %s%s", name, endpoint, await self._listed(),
         )  # fmt: skip
 

@@ -87,6 +87,21 @@ def flip(path: Path, page: int, offset: int, length: int) -> None:
         handle.write(bytes(byte ^ 0xFF for byte in data))
 
 
+def no_longer_utf8(path: Path) -> None:
+    """Flip a byte in the middle of question 0's text in the database ``path``: an "x" becomes a
+    byte that starts no UTF-8 character, and every page stays sound."""
+    data = bytearray(path.read_bytes())
+    data[data.index(b"Question 0 " + b"x" * 100) + 50] ^= 0xFF
+    path.write_bytes(data)
+
+
+def said_damaged_once(log: str, path: Path) -> None:
+    """The server's ``log`` says once that the database ``path`` is damaged, and how to restore
+    it, in its own words: not SQLite's ("malformed"), nor a traceback."""
+    assert log.count(f"{path}: the database file is damaged") == 1, log
+    assert RESTORE in log and "Traceback" not in log and "malformed" not in log, log
+
+
 def emptied(name: str) -> Callable[[Path], None]:
     def damage(state: Path) -> None:
         (state / name).write_bytes(b"")  # replaced by an empty file, as a tool that "resets" it does
@@ -183,9 +198,7 @@ async def test_a_page_damaged_under_the_server_fails_only_the_tasks_on_it_says_s
         assert health.status_code == 503, health.text
         assert "task store is damaged: tasks.db" in " ".join(health.json()["problems"]), health.text
         await keel.terminate()
-    log = keel.output.decode()
-    assert log.count(f"{state / 'tasks.db'}: the database file is damaged") == 1, log
-    assert RESTORE in log and "Traceback" not in log, log
+    said_damaged_once(keel.output.decode(), state / "tasks.db")
 
 
 async def test_a_server_that_crashes_after_its_write_ahead_log_was_removed_is_not_started_again_on_what_is_left(
@@ -213,10 +226,7 @@ async def test_a_task_whose_stored_text_is_no_longer_utf8_is_named_as_unreadable
     # damaged, for its operator to restore, and no outage that passes; nor is what it says logged.
     state = tmp_path / "state"
     damaged, sound = await served_tasks(state, fake_model, 2)
-    data = bytearray((state / "tasks.db").read_bytes())
-    at = data.index(b"Question 0 " + b"x" * 100) + 50
-    data[at] ^= 0xFF  # an "x" becomes a byte that starts no UTF-8 character
-    (state / "tasks.db").write_bytes(data)
+    no_longer_utf8(state / "tasks.db")
 
     fake_model.script = [Reply(text="Paged the on-call.")]
     async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
@@ -251,6 +261,21 @@ def status_text(task: dict[str, Any]) -> str:
     return str(task["status"]["message"]["parts"][0]["text"])
 
 
+async def fail_as_damaged_and_the_other_goes_on(
+    client: httpx.AsyncClient, url: str, state: Path, damaged: str, sound: str, *, turns: int
+) -> None:
+    """Each of ``turns`` turns of the conversation ``damaged`` fails saying it is damaged, naming
+    no file of the machine; a turn of the conversation ``sound`` is answered."""
+    for _ in range(turns):
+        failed = await sent_on(client, url, damaged, "And then?")
+        assert failed["status"]["state"] == "TASK_STATE_FAILED", failed
+        said = status_text(failed)
+        assert f"the conversation of context {damaged!r} is damaged in the server's storage" in said, said
+        assert "storage is back" not in said and "runtime.db" not in said and str(state) not in said, said
+    carried_on = await sent_on(client, url, sound, "And then?")
+    assert carried_on["status"]["state"] == "TASK_STATE_COMPLETED", carried_on
+
+
 async def test_a_conversation_whose_stored_text_is_no_longer_utf8_fails_its_own_turns_named_and_the_others_go_on(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
@@ -258,21 +283,11 @@ async def test_a_conversation_whose_stored_text_is_no_longer_utf8_fails_its_own_
     # what is damaged, for its operator to restore, and no outage that passes; nor is what it says logged.
     state = tmp_path / "state"
     damaged, sound = await served_conversations(state, fake_model, 2)
-    data = bytearray((state / "runtime.db").read_bytes())
-    at = data.index(b"Question 0 " + b"x" * 100) + 50
-    data[at] ^= 0xFF  # an "x" becomes a byte that starts no UTF-8 character
-    (state / "runtime.db").write_bytes(data)
+    no_longer_utf8(state / "runtime.db")
 
     fake_model.script = [Reply(text="Carried on.")]
     async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
-        for _ in range(2):
-            failed = await sent_on(client, keel.url, damaged, "And then?")
-            assert failed["status"]["state"] == "TASK_STATE_FAILED", failed
-            said = status_text(failed)
-            assert f"the conversation of context {damaged!r} is damaged in the server's storage" in said, said
-            assert "storage is back" not in said and "runtime.db" not in said and str(state) not in said, said
-        carried_on = await sent_on(client, keel.url, sound, "And then?")
-        assert carried_on["status"]["state"] == "TASK_STATE_COMPLETED", carried_on
+        await fail_as_damaged_and_the_other_goes_on(client, keel.url, state, damaged, sound, turns=2)
         await keel.terminate()
     log = keel.output.decode()
     assert f"session {damaged!r} in runtime.db cannot be read (its message 0 is not UTF-8" in log, log
@@ -290,20 +305,11 @@ async def test_a_page_of_a_conversation_damaged_under_the_server_fails_its_turns
     async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
         runtime_db = state / "runtime.db"
         flip(runtime_db, page_holding(runtime_db, "Question 0 ", "events"), 0, 12)  # a disk failing under it
-        for _ in range(3):
-            failed = await sent_on(client, keel.url, damaged, "And then?")
-            assert failed["status"]["state"] == "TASK_STATE_FAILED", failed
-            said = status_text(failed)
-            assert f"the conversation of context {damaged!r} is damaged in the server's storage" in said, said
-            assert "storage is back" not in said and "runtime.db" not in said and str(state) not in said, said
-        carried_on = await sent_on(client, keel.url, sound, "And then?")
-        assert carried_on["status"]["state"] == "TASK_STATE_COMPLETED", carried_on
+        await fail_as_damaged_and_the_other_goes_on(client, keel.url, state, damaged, sound, turns=3)
         health = await client.get(keel.url + "healthz")
         assert "session store is damaged: runtime.db" in " ".join(health.json()["problems"]), health.text
         await keel.terminate()
-    log = keel.output.decode()
-    assert log.count(f"{runtime_db}: the database file is damaged") == 1, log
-    assert RESTORE in log and "Traceback" not in log and "malformed" not in log, log
+    said_damaged_once(keel.output.decode(), runtime_db)
 
 
 async def test_a_turn_whose_save_meets_a_damaged_page_fails_saying_so_and_is_logged_once(
@@ -325,9 +331,7 @@ async def test_a_turn_whose_save_meets_a_damaged_page_fails_saying_so_and_is_log
             assert f"for context {failed['contextId']!r} failed: the server's storage is damaged where" in said, said
             assert "storage is back" not in said and "runtime.db" not in said, said
         await keel.terminate()
-    log = keel.output.decode()
-    assert log.count(f"{runtime_db}: the database file is damaged") == 1, log
-    assert RESTORE in log and "Traceback" not in log and "malformed" not in log, log
+    said_damaged_once(keel.output.decode(), runtime_db)
 
 
 async def test_a_write_ahead_log_of_the_other_database_beside_one_is_named_as_the_cause(

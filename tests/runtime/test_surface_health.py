@@ -267,6 +267,23 @@ async def test_a_problem_that_lasts_is_logged_when_it_starts_and_when_it_ends_no
     assert said[1] == f"readiness: resolved: {absent}"
 
 
+async def test_a_model_absent_from_the_catalog_has_the_catalog_read_once_a_poll_after_it_is_logged(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # What the catalog lists is for the log line written when the problem starts: a load balancer
+    # polling every few seconds must not have the model server read its catalog twice a poll.
+    async with open_session_store(tmp_path / "runtime.db"), open_task_store(tmp_path / "tasks.db"):
+        pass
+    fake_model.models = ("another-model",)
+    async with open_model_client(ModelConfig(base_url=fake_model.base_url, max_retries=0)) as catalog:
+        health = Health(state_dir=tmp_path, model=catalog)
+        with trio.fail_after(DEADLINE_S):
+            for _ in range(4):
+                assert await health.problems() != []
+    reads = [item for item in fake_model.received if item.path == "/v1/models"]
+    assert len(reads) == 4 + 1, reads  # one a poll, and the first poll's listing for its log line
+
+
 async def test_readiness_polled_while_a_store_is_held_elsewhere_keeps_one_thread_on_it(tmp_path: Path) -> None:
     """A probe stuck on another program's lock is abandoned, not stopped: later polls wait for
     it rather than each leaving one more thread stuck beside it in Trio's shared pool (where the
