@@ -22,7 +22,7 @@ StoreError
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 
@@ -197,23 +197,32 @@ RESTORE_FIX = (
 class DatabaseDamaged(DatabaseFailed):
     """SQLite found a page of the file damaged (a disk that failed, a file written by something
     else): not an outage that passes, and what is stored there stays unreadable until the file
-    is restored. The message names the file and what to do; SQLite's words are the cause."""
+    is restored. The message names the file and what to do; SQLite's words are the cause.
 
-    def __init__(self, path: object, *, first: bool = True) -> None:
+    The damage can be met by several requests and runs at once, in the pool's thread and in
+    Trio's: ``first`` asks, when the failure is about to be logged, whether it is the first time
+    this server found the file damaged, which one asker alone is told."""
+
+    def __init__(self, path: object, *, first: Callable[[], bool] | None = None) -> None:
         self.path = path
-        self.first = first  # the first time this server found the file damaged: the one to log
+        self._first = first  # the file's once-flag, claimed by the first to ask; None: never the first
         StoreError.__init__(
             self,
             f"{path}: the database file is damaged (a page of it is not what SQLite wrote), so what is stored on that"
             f" page can be neither read nor written. {RESTORE_FIX}",
         )
 
+    def first(self) -> bool:
+        """Whether to log this failure in full, with what to do: true for the first ask this
+        server made of its file, and never again. Ask once, only to log."""
+        return self._first is not None and self._first()
+
 
 def told_before(exc: BaseException | None) -> str | None:
-    """For a log line: a file found damaged again (``DatabaseDamaged`` not ``first``) in a few
-    words, naming it, since the log said what to do the first time; None for any other failure,
-    whose own words the line gives each time."""
-    if isinstance(exc, DatabaseDamaged) and not exc.first:
+    """For a log line about to be written: a file found damaged again (``DatabaseDamaged`` not
+    ``first``) in a few words, naming it, since the log said what to do the first time; None
+    for any other failure, whose own words the line gives each time."""
+    if isinstance(exc, DatabaseDamaged) and not exc.first():
         return f"{exc.path} is damaged, as logged when it was first found"
     return None
 

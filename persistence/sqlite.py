@@ -460,6 +460,9 @@ class SqlitePool:
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
     _damaged: bool = attrs.field(init=False, default=False)  # SQLite found the file damaged since it opened
+    # Whether that was logged: claimed once (``claim_first``), from whichever thread asks first.
+    _told: bool = attrs.field(init=False, default=False)
+    _told_lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     # What check_file stats, made once: every write batch calls it, and a Path's with_name and
     # its conversion to text for each stat cost more than the stats themselves.
     _watched: tuple[tuple[str, tuple[int, int] | None, bool], ...] = attrs.field(init=False)
@@ -507,18 +510,25 @@ class SqlitePool:
         the readiness probe's check of the file the server has open. Blocking: two stats."""
         self.check_file()
         if self._damaged:
-            raise DatabaseDamaged(self.path, first=False)
+            raise DatabaseDamaged(self.path)  # as logged when a call found it so
 
     def failure(self, exc: sqlite3.Error) -> DatabaseFailed:
-        """SQLite's error on a call, named for the file: DatabaseDamaged when the file is damaged
-        (said to be the first for the first one found, the one to log)."""
+        """SQLite's error on a call, named for the file: DatabaseDamaged when the file is damaged,
+        which asks ``claim_first`` whether it is the first to be logged. Called from any thread."""
         if damaged(exc):
-            first, self._damaged = not self._damaged, True
-            failure: DatabaseFailed = DatabaseDamaged(self.path, first=first)
+            self._damaged = True
+            failure: DatabaseFailed = DatabaseDamaged(self.path, first=self.claim_first)
         else:
             failure = DatabaseFailed(self.path, exc)
         failure.__cause__ = exc
         return failure
+
+    def claim_first(self) -> bool:
+        """Whether this is the first ask, of all the threads and requests that found the file
+        damaged: the one to log it in full. True once."""
+        with self._told_lock:
+            first, self._told = not self._told, True
+        return first
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(conn, *args)`` in the pool's thread and return what it returns.

@@ -14,7 +14,7 @@ import outcome
 import trio
 
 from persistence.errors import DatabaseGone, StoreClosed
-from persistence.sqlite import SqlitePool, begin_immediate
+from persistence.sqlite import SqlitePool, begin_immediate, damaged
 
 T = TypeVar("T")
 W = TypeVar("W", bound="WriterBacked")
@@ -212,11 +212,25 @@ def _commit_batch(conn: sqlite3.Connection, batch: list[_Item], hooks: BatchHook
     deferred to the end of the batch do), the whole transaction is rolled back and the batch
     runs again with a savepoint around each write, so that only the failing write is undone. A
     write is a function of the database alone, so running it again after a rollback is safe.
+
+    Once SQLite finds a page damaged it fails every statement left in that transaction, its
+    COMMIT too, savepoints or not: a batch that fails so runs again with each write in a
+    transaction of its own, so that only the writes that reach the damage fail.
     """
     try:
-        _transaction(conn, batch, hooks, careful=False)
-    except _ItemFailed:
-        _transaction(conn, batch, hooks, careful=True)
+        try:
+            _transaction(conn, batch, hooks, careful=False)
+        except _ItemFailed:
+            _transaction(conn, batch, hooks, careful=True)
+    except sqlite3.Error as exc:
+        if len(batch) == 1 or not damaged(exc):
+            raise
+        for item in batch:
+            item.error = None  # what the batch's run said of it, after the damage, was not its own
+            try:
+                _transaction(conn, [item], hooks, careful=True)
+            except BaseException as own:  # as a batch that fails whole: the write fails, the writer goes on
+                item.error = own
 
 
 class _ItemFailed(Exception):

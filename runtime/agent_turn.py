@@ -111,7 +111,7 @@ class TurnTaker:
         about = f"task {task.id} (context {task.context_id}) failed: {exc}"
         cause = exc.__cause__
         if cause is not None and is_damage(cause):  # what is damaged, and what to do, is the store's to say
-            if not isinstance(cause, DatabaseDamaged) or cause.first:  # a damaged file once, as the surface does
+            if not isinstance(cause, DatabaseDamaged) or cause.first():  # a damaged file once, as the surface does
                 logger.error("task %s (context %s) failed: %s", task.id, task.context_id, cause)
         elif isinstance(exc, ModelError):
             where = f"; the model server is {self.model_endpoint}" if self.model_endpoint else ""

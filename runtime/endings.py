@@ -155,18 +155,25 @@ class Working:
     async def wait(self) -> None:
         await self._done.wait()
         if self._error is not None:
-            raise WorkingNotStored(self.live.task.id) from self._error
+            raise WorkingNotStored(self.live.task.id, damaged=store_errors.is_damage(self._error)) from self._error
 
 
 class WorkingNotStored(AgentError):
     """The task's WORKING state could not be stored, so its run stops before the model is asked."""
 
-    def __init__(self, task_id: str) -> None:
+    def __init__(self, task_id: str, *, damaged: bool = False) -> None:
         self.task_id = task_id
-        super().__init__(
-            f"task {task_id!r} could not be stored as working, so the run stopped before calling the model; "
-            "send the message again, with a new messageId, once the server's storage is back"
-        )
+        if damaged:  # no outage that passes: the storage stays so until it is restored
+            super().__init__(
+                f"task {task_id!r} could not be stored as working: the server's storage is damaged where it is kept, so"
+                " the run stopped before calling the model; sending the message again fails so until the server's"
+                " operator restores the storage (the server log says how)"
+            )
+        else:
+            super().__init__(
+                f"task {task_id!r} could not be stored as working, so the run stopped before calling the model; "
+                "send the message again, with a new messageId, once the server's storage is back"
+            )
 
 
 def answer_streamer(live: LiveTask) -> Callable[[AgentEvent], None]:

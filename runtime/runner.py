@@ -446,14 +446,15 @@ class Runner:
                 if self._stopping.is_set():  # not tried again: said so, to the log and to whoever waits
                     logger.warning(
                         "task %s: its final state is not stored; the next process to start takes it up (AGENT_ORPHANS): %s",
-                        live.task.id, exc,
+                        live.task.id, store_errors.told_before(exc) or exc,
                     )  # fmt: skip
                     live.close(end_stored=False, why=END_LEFT_FOR_NEXT)
                     return False
                 if live.end_stored:  # the first failure: said once, to the log and to whoever waits
                     logger.error(
-                        "task %s: its final state could not be stored, and is tried again until it is: %s", live.task.id, exc
-                    )
+                        "task %s: its final state could not be stored, and is tried again until it is: %s",
+                        live.task.id, store_errors.told_before(exc) or exc,
+                    )  # fmt: skip
                     live.close(end_stored=False)
             delay = min(max(2 * delay, END_RETRY_FIRST_S), END_RETRY_MAX_S)
             with trio.move_on_after(delay):
@@ -470,7 +471,8 @@ class Runner:
             try:
                 await self.sessions.drop_steers(live.task.context_id, task_id=live.task.id)
             except (store_errors.StoreError, TimeoutError) as exc:
-                logger.warning("task %s: the steers its run never took could not be dropped: %s", live.task.id, exc)
+                said = store_errors.told_before(exc) or exc
+                logger.warning("task %s: the steers its run never took could not be dropped: %s", live.task.id, said)
 
     async def _adopt_orphans(self) -> None:
         """Tasks a dead process left SUBMITTED or WORKING are resumed or failed, never left

@@ -22,7 +22,7 @@ def answer_to(method: str, exc: Exception) -> ProtocolError:
     if isinstance(exc, ProtocolError):
         return exc
     if isinstance(exc, DatabaseDamaged):  # every request that reaches the damage: one line for them all
-        if exc.first:
+        if exc.first():
             logger.error("JSON-RPC %s failed: %s", method, exc)
         return StorageDamaged(f"{method!r}")
     if isinstance(exc, (DatabaseFailed, StoreClosed, TimeoutError)):  # or a stalled disk

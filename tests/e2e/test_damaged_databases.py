@@ -15,9 +15,15 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from fake_model import FakeModel, Reply
+from persistence.tasks import open_task_store
+from protocol import Message, Role, Task, TaskState, TaskStatus, TextPart
+from runtime.runner import ANONYMOUS
+from runtime.tasks import encode, new_id
 from tests.e2e.harness import keel_process, rpc, run_serve_to_exit, run_to_exit, user_message
+from tests.e2e.test_model_after_restart import free_port
 from tests.persistence.state_helpers import fingerprint
 
 PAGE = 4096
@@ -201,6 +207,29 @@ async def test_a_page_damaged_under_the_server_fails_only_the_tasks_on_it_says_s
     said_damaged_once(keel.output.decode(), state / "tasks.db")
 
 
+async def test_a_damaged_page_that_fails_a_batch_of_concurrent_writes_is_logged_once(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # A new task goes where the newest tasks are: that page damaged, every task a message would
+    # start fails there, those sent at once in one write batch, and the file is logged once.
+    state = tmp_path / "state"
+    newest = (await served_tasks(state, fake_model, 2))[-1]
+    async with keel_process(state, fake_model.base_url) as keel, httpx.AsyncClient(timeout=10) as client:
+        flip(state / "tasks.db", page_holding(state / "tasks.db", newest), 0, 12)
+        answers: list[dict[str, Any]] = []
+
+        async def send(n: int) -> None:
+            answers.append(await rpc(client, keel.url, "SendMessage", {"message": user_message(f"Page the on-call {n}")}))
+
+        async with trio.open_nursery() as nursery:
+            for n in range(8):
+                nursery.start_soon(send, n)
+        for answer in answers:
+            assert answer["error"]["code"] == -32603 and "damaged" in answer["error"]["message"], answer
+        await keel.terminate()
+    said_damaged_once(keel.output.decode(), state / "tasks.db")
+
+
 async def test_a_server_that_crashes_after_its_write_ahead_log_was_removed_is_not_started_again_on_what_is_left(
     tmp_path: Path, fake_model: FakeModel
 ) -> None:
@@ -332,6 +361,49 @@ async def test_a_turn_whose_save_meets_a_damaged_page_fails_saying_so_and_is_log
             assert "storage is back" not in said and "runtime.db" not in said, said
         await keel.terminate()
     said_damaged_once(keel.output.decode(), runtime_db)
+
+
+async def left_to_run(path: Path, count: int) -> str:
+    """``count`` tasks stored in the tasks.db ``path`` as submitted, as a process that stopped
+    before their runs began leaves them, each in a conversation of its own; the oldest's id."""
+    ids = []
+    async with open_task_store(path) as tasks:
+        for n in range(count):
+            task_id, context_id = new_id(), new_id()
+            question = Message(message_id=new_id(), role=Role.USER, parts=(TextPart(f"Question {n}"),), task_id=task_id)
+            task = Task(id=task_id, context_id=context_id, status=TaskStatus(state=TaskState.SUBMITTED), history=(question,))
+            await tasks.create(
+                ANONYMOUS, task_id=task_id, context_id=context_id, state="TASK_STATE_SUBMITTED", task_json=encode(task),
+                updated_at_ms=1_000_000 + n,
+            )  # fmt: skip
+            ids.append(task_id)
+    return ids[0]
+
+
+async def test_a_run_whose_working_state_meets_a_damaged_page_fails_saying_the_storage_is_damaged(
+    tmp_path: Path, fake_model: FakeModel
+) -> None:
+    # By state, a working task is listed after the oldest task still to run: that page damaged,
+    # a new task's WORKING write fails there, and its end, stored where the failed tasks are,
+    # says the storage is damaged, not that it comes back. (The tasks left to run wait for a
+    # model server that cannot be reached, and write nothing meanwhile.)
+    state = tmp_path / "state"
+    await served_tasks(state, fake_model, 1)
+    tasks_db = state / "tasks.db"
+    oldest = await left_to_run(tasks_db, 150)
+    flip(tasks_db, page_holding(tasks_db, oldest, "tasks_state_recent"), 0, 12)
+    async with (
+        keel_process(state, f"http://127.0.0.1:{free_port()}/v1") as keel,
+        httpx.AsyncClient(timeout=10) as client,
+    ):
+        sent = await rpc(client, keel.url, "SendMessage", {"message": user_message("Page the on-call")})
+        failed = sent["result"]["task"]
+        assert failed["status"]["state"] == "TASK_STATE_FAILED", failed
+        said = status_text(failed)
+        assert f"task {failed['id']!r} could not be stored as working: the server's storage is damaged" in said, said
+        assert "storage is back" not in said and "tasks.db" not in said and str(state) not in said, said
+        await keel.terminate()
+    said_damaged_once(keel.output.decode(), tasks_db)
 
 
 async def test_a_write_ahead_log_of_the_other_database_beside_one_is_named_as_the_cause(

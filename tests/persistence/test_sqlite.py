@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from persistence.errors import DatabaseBusy, SchemaError, TranscriptConflict, UnreadableSession
+from persistence.errors import DatabaseBusy, DatabaseDamaged, SchemaError, TranscriptConflict, UnreadableSession
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
@@ -27,6 +27,8 @@ from persistence.writer import GroupCommitWriter
 from persistence.tasks import TASKS_SCHEMA, open_task_store
 from persistence.transcript import Message
 
+from runtime.runner import ANONYMOUS
+from tests.e2e.test_damaged_databases import flip, left_to_run, page_holding
 from tests.persistence import crash_writer
 from tests.persistence.state_helpers import another_users
 
@@ -263,6 +265,93 @@ async def test_a_write_that_raises_systemexit_fails_alone_and_the_writer_goes_on
     await pool.aclose()
     with closing(sqlite3.connect(tmp_path / "runtime.db")) as conn:
         assert sorted(row[0] for row in conn.execute("SELECT app_name FROM app_states")) == ["after", "before", "later"]
+
+
+async def test_a_damaged_file_is_the_first_to_log_once_whichever_thread_or_request_asks(tmp_path: Path) -> None:
+    # Requests and runs meet the damage at once, in the pool's thread and in Trio's, and one
+    # failure can reach several of them: exactly one of them logs it in full.
+    path = tmp_path / "tasks.db"
+    oldest = await left_to_run(path, 150)
+    flip(path, page_holding(path, oldest, "tasks_state_recent"), 0, 12)
+    pool = await SqlitePool.open(path, TASKS_SCHEMA)
+    try:
+        by_state = "SELECT count(*) FROM tasks INDEXED BY tasks_state_recent WHERE owner = 'anonymous'"
+        with pytest.raises(DatabaseDamaged) as found:
+            await pool.run(lambda conn: conn.execute(by_state).fetchall())
+        assert isinstance(found.value.__cause__, sqlite3.DatabaseError)
+        failures = [found.value, found.value]  # one failure, told to two requests
+        for _ in range(6):  # and others, made in this thread
+            failure = pool.failure(found.value.__cause__)
+            assert isinstance(failure, DatabaseDamaged)
+            failures.append(failure)
+        together = threading.Barrier(len(failures))
+        firsts: list[bool] = []
+
+        def ask(failure: DatabaseDamaged) -> bool:
+            together.wait(10)
+            return failure.first()
+
+        async def asks(failure: DatabaseDamaged) -> None:
+            firsts.append(await trio.to_thread.run_sync(ask, failure))
+
+        async with trio.open_nursery() as nursery:
+            for failure in failures:
+                nursery.start_soon(asks, failure)
+        assert firsts.count(True) == 1, firsts
+        with pytest.raises(DatabaseDamaged) as checked:  # readiness says it is damaged, and logs nothing
+            await trio.to_thread.run_sync(pool.check_sound)
+        assert not checked.value.first()
+    finally:
+        await pool.aclose()
+
+
+async def test_a_write_that_meets_a_damaged_page_fails_alone_in_its_batch(tmp_path: Path) -> None:
+    # SQLite fails every statement after one found a page damaged, to the end of its transaction,
+    # its COMMIT too: a batch run as one would fail the sound writes queued with a damaged one.
+    path = tmp_path / "tasks.db"
+    oldest = await left_to_run(path, 150)
+    with closing(sqlite3.connect(path)) as conn:
+        by_age = [row[0] for row in conn.execute("SELECT id FROM tasks ORDER BY updated_at_ms")]
+    newest, next_newest = by_age[-1], by_age[-2]
+    damaged = page_holding(path, oldest, "tasks_state_recent")  # where a task's entry by state is
+    assert damaged != page_holding(path, newest, "tasks_state_recent")
+    flip(path, damaged, 0, 12)
+
+    async with open_task_store(path) as tasks:
+        committing, release = threading.Event(), threading.Event()
+
+        def holds(conn: sqlite3.Connection) -> None:  # keeps the pool's thread busy while the next batch fills
+            committing.set()
+            release.wait(10)
+
+        results: dict[str, object] = {}
+
+        records = {task_id: await tasks.get(ANONYMOUS, task_id) for task_id in (newest, oldest, next_newest)}
+
+        async def cancel(task_id: str) -> None:
+            record = records[task_id]
+            try:
+                await tasks.update(
+                    ANONYMOUS, task_id, state="TASK_STATE_CANCELED", task_json=record.task_json,
+                    expected_version=record.version, updated_at_ms=2_000_000,
+                )  # fmt: skip
+                results[task_id] = "stored"
+            except DatabaseDamaged:
+                results[task_id] = "damaged"
+
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(10):
+                nursery.start_soon(tasks.pool.run, holds)
+                await trio.to_thread.run_sync(committing.wait)
+                for task_id in (newest, oldest, next_newest):
+                    nursery.start_soon(cancel, task_id)
+                await trio.testing.wait_all_tasks_blocked()  # all three queued, in one batch
+                release.set()
+                while len(results) < 3:
+                    await trio.sleep(0.01)
+        assert results == {newest: "stored", oldest: "damaged", next_newest: "stored"}
+        for task_id in (newest, next_newest):
+            assert (await tasks.get(ANONYMOUS, task_id)).state == "TASK_STATE_CANCELED"
 
 
 async def test_an_urgent_write_is_committed_next_ahead_of_the_writes_queued_before_it(tmp_path: Path) -> None:
