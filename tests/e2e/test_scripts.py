@@ -16,7 +16,7 @@ import httpx
 import trio
 
 from fake_model import FakeModel
-from tests.e2e.harness import AS_FROM_A_TERMINAL, STARTUP_DEADLINE_S, keel_process, rpc, started_keel, user_message
+from tests.e2e.harness import AS_FROM_A_TERMINAL, STARTUP_DEADLINE_S, keel_process, rpc, run_to_exit, started_keel, user_message
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv"
@@ -40,6 +40,30 @@ async def test_scripts_serve_keeps_a_relative_state_dir_in_the_directory_it_is_c
         assert sorted(path.name for path in (mine / name).glob("*.db")) == ["runtime.db", "tasks.db"]
     finally:
         shutil.rmtree(ROOT / name, ignore_errors=True)  # where a script that moved to the repository put it
+
+
+async def test_scripts_refuse_a_python_too_old_for_keel_saying_which_and_what_to_do(tmp_path: Path) -> None:
+    # python3 of an older distribution (3.9, say) made .venv, and pip then failed on Keel's
+    # requires-python; naming a newer one with PYTHON did nothing while that .venv was there.
+    repo = tmp_path / "keel"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("_venv.sh", "serve"):
+        shutil.copy2(ROOT / "scripts" / name, repo / "scripts" / name)
+    shutil.copy2(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    old = tmp_path / "python3.9"  # answers as Python 3.9.2 does to what the script asks
+    old.write_text('#!/bin/sh\ncase "$2" in *platform*) echo 3.9.2;; *) exit 1;; esac\n')
+    old.chmod(0o755)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy2(old, repo / ".venv" / "bin" / "python")  # made by it before
+    serve = repo / "scripts" / "serve"
+
+    refused = await run_to_exit(["env", f"PYTHON={old}", str(serve), "--help"])
+    said = f"serve: Keel needs Python 3.11 or newer, and {old} is 3.9.2: install a newer one, and name it with PYTHON"
+    assert (refused.returncode, refused.stdout) == (1, ""), refused
+    assert refused.stderr == f"{said} (PYTHON=python3.12 {serve})\n", refused.stderr
+    assert not (repo / ".venv").exists()  # made again, by a Python new enough, once one is named
+    missing = await run_to_exit(["env", f"PYTHON={tmp_path / 'python3.14'}", str(serve), "--help"])
+    assert missing.returncode == 1 and f"there is no {tmp_path / 'python3.14'} here" in missing.stderr, missing
 
 
 async def test_the_fake_model_server_stops_quietly_at_ctrl_c() -> None:
