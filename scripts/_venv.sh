@@ -1,6 +1,7 @@
 # Sourced by scripts/serve and scripts/test: creates .venv on first use and installs the project
 # (with the extras named in KEEL_EXTRAS) again only when pyproject.toml has changed since. It sets
 # $root to the repository and puts .venv first on PATH; it leaves the working directory alone.
+# The Python it makes .venv with is python3, or the one PYTHON names (3.11 or newer).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
