@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -23,12 +24,10 @@ def lines(caplog: pytest.LogCaptureFixture, about: str) -> list[str]:
     return [record.getMessage() for record in caplog.records if about in record.getMessage()]
 
 
-async def test_runs_waiting_together_are_said_in_one_line_and_so_is_their_end_at_shutdown(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO)
-    config = ModelConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", max_retries=0)  # nothing listens there
-    stopping = trio.Event()
+async def runs_waiting(port: int, stopping: trio.Event, then: Callable[[], Awaitable[object]]) -> list[bool]:
+    """What ``until_reachable`` answered each of WAITING runs that began to wait together for a
+    model server at ``port`` where nothing listens; ``then`` runs once every one of them waits."""
+    config = ModelConfig(base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)
     answers: list[bool] = []
     async with open_model_client(config) as catalog:
         wait = ModelWait(catalog, stopping, endpoint=config.endpoint)
@@ -42,8 +41,21 @@ async def test_runs_waiting_together_are_said_in_one_line_and_so_is_their_end_at
                     runs.start_soon(resumed, f"task-{number}")
                 while wait.waiting < WAITING:
                     await trio.sleep(0.01)  # polling against the deadline: each run asks the catalog first
-                stopping.set()
-    assert answers == [False] * WAITING
+                await then()
+    assert wait.waiting == 0
+    return answers
+
+
+async def test_runs_waiting_together_are_said_in_one_line_and_so_is_their_end_at_shutdown(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+    stopping = trio.Event()
+
+    async def shut_down() -> None:
+        stopping.set()
+
+    assert await runs_waiting(free_port(), stopping, shut_down) == [False] * WAITING
     [waits] = lines(caplog, "waits for the model server")
     assert "to be reachable to resume: the model server cannot be reached" in waits, waits
     [stopped] = lines(caplog, "shutting down")
@@ -55,23 +67,8 @@ async def test_runs_waiting_together_each_resume_once_the_model_server_answers(
 ) -> None:
     caplog.set_level(logging.INFO)
     port = free_port()
-    config = ModelConfig(base_url=f"http://127.0.0.1:{port}/v1", max_retries=0)
-    answers: list[bool] = []
-    async with open_model_client(config) as catalog:
-        wait = ModelWait(catalog, trio.Event(), endpoint=config.endpoint)
-
-        async def resumed(task_id: str) -> None:
-            answers.append(await wait.until_reachable(task_id))
-
-        with trio.fail_after(DEADLINE_S):
-            async with trio.open_nursery() as runs:
-                for number in range(WAITING):
-                    runs.start_soon(resumed, f"task-{number}")
-                while wait.waiting < WAITING:
-                    await trio.sleep(0.01)  # polling against the deadline: each run asks the catalog first
-                await nursery.start(functools.partial(FakeModel().serve, port=port))  # the model server comes up
-    assert answers == [True] * WAITING
+    comes_up = functools.partial(nursery.start, functools.partial(FakeModel().serve, port=port))
+    assert await runs_waiting(port, trio.Event(), comes_up) == [True] * WAITING
     assert len(lines(caplog, "waits for the model server")) == 1
     resumes = lines(caplog, "resumes: the model server is reachable after")
     assert sorted(line.split()[1] for line in resumes) == [f"task-{number}" for number in range(WAITING)], resumes
-    assert wait.waiting == 0
