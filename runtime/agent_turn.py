@@ -15,11 +15,12 @@ import attrs
 import trio
 
 from persistence.api import SessionStore, TaskStore
-from persistence.errors import DatabaseDamaged, StoreError, is_damage, told_before
+from persistence.errors import StoreError, is_damage, told_before
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
 from runtime.agent import AgentError, AgentRun, AgentSpec, BudgetExhausted, MaxStepsReached, Model
+from runtime.agent.errors import SEND_AGAIN_WHEN_BACK, UNTIL_RESTORED
 from runtime.endings import OVERTAKEN, SHUT_DOWN, Outcome, Working, answer_streamer, answered, completed, settle, turn_of
 from runtime.models import ModelError, ModelTimeout
 from runtime.reachable import ModelWait
@@ -111,8 +112,8 @@ class TurnTaker:
         about = f"task {task.id} (context {task.context_id}) failed: {exc}"
         cause = exc.__cause__
         if cause is not None and is_damage(cause):  # what is damaged, and what to do, is the store's to say
-            if not isinstance(cause, DatabaseDamaged) or cause.first():  # a damaged file once, as the surface does
-                logger.error("task %s (context %s) failed: %s", task.id, task.context_id, cause)
+            # A damaged file in full once, as the surface says it; in a few words after.
+            logger.error("task %s (context %s) failed: %s", task.id, task.context_id, told_before(cause) or cause)
         elif isinstance(exc, ModelError):
             where = f"; the model server is {self.model_endpoint}" if self.model_endpoint else ""
             said = f"; it said: {exc.detail}" if exc.detail else ""
@@ -134,14 +135,14 @@ class ConversationUnreadable(AgentError):
         if damaged:  # no outage that passes: until it is restored, every turn of it fails so
             super().__init__(
                 f"the conversation of context {context_id!r} is damaged in the server's storage, so the run stopped before"
-                " calling the model; its turns fail until the server's operator restores it (the server log says how):"
-                " send the message without the contextId to start a new conversation"
+                f" calling the model; its turns fail so {UNTIL_RESTORED}: send the message without the contextId to start"
+                " a new conversation"
             )
         else:
             super().__init__(
                 f"the conversation of context {context_id!r} could not be read from the server's storage, so the run"
-                " stopped before calling the model; send the message again, with a new messageId, once the server's"
-                " storage is back, or without the contextId to start a new conversation"
+                f" stopped before calling the model; {SEND_AGAIN_WHEN_BACK}, or without the contextId to start a new"
+                " conversation"
             )
 
 

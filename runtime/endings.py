@@ -17,6 +17,7 @@ from persistence.api import TaskStore
 from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskNotCancelable, TaskState
 from runtime.agent import AgentError, AgentEvent, StepStarted, TextDelta
+from runtime.agent.errors import SEND_AGAIN_WHEN_BACK, UNTIL_RESTORED
 from runtime.tasks import STORED_VERSION, LiveTask, agent_message, answer_artifact, encode, load, status_ms, with_status
 
 Outcome = Callable[[Task], Task]
@@ -166,13 +167,12 @@ class WorkingNotStored(AgentError):
         if damaged:  # no outage that passes: the storage stays so until it is restored
             super().__init__(
                 f"task {task_id!r} could not be stored as working: the server's storage is damaged where it is kept, so"
-                " the run stopped before calling the model; sending the message again fails so until the server's"
-                " operator restores the storage (the server log says how)"
+                f" the run stopped before calling the model; sending the message again fails so {UNTIL_RESTORED}"
             )
         else:
             super().__init__(
-                f"task {task_id!r} could not be stored as working, so the run stopped before calling the model; "
-                "send the message again, with a new messageId, once the server's storage is back"
+                f"task {task_id!r} could not be stored as working, so the run stopped before calling the model;"
+                f" {SEND_AGAIN_WHEN_BACK}"
             )
 
 

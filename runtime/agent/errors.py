@@ -80,6 +80,12 @@ class AnswerEmpty(AgentError):
         )
 
 
+# What a client whose run failed on the server's storage is told to do: the storage failed (a full
+# disk, say), which passes; or it is damaged, which stays so until its operator restores it.
+SEND_AGAIN_WHEN_BACK = "send the message again, with a new messageId, once the server's storage is back"
+UNTIL_RESTORED = "until the server's operator restores the storage (the server log says how)"
+
+
 class SaveFailed(AgentError):
     """``what`` is the action that failed ("saving the transcript", ...); ``before_model`` says
     whether the run stopped before its next model request (false for the save at the end)."""
@@ -92,13 +98,10 @@ class SaveFailed(AgentError):
         if damaged:  # no outage that passes: the storage stays so until it is restored
             super().__init__(
                 f"{what} for context {session_id!r} failed: the server's storage is damaged where it is kept, {outcome};"
-                " its turns fail so until the server's operator restores the storage (the server log says how)"
+                f" its turns fail so {UNTIL_RESTORED}"
             )
         else:
-            super().__init__(
-                f"{what} for context {session_id!r} failed, {outcome}; "
-                "send the message again, with a new messageId, once the server's storage is back"
-            )
+            super().__init__(f"{what} for context {session_id!r} failed, {outcome}; {SEND_AGAIN_WHEN_BACK}")
 
 
 class RunFinished(AgentError):
