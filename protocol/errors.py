@@ -239,8 +239,8 @@ class ContentTypeNotSupported(ProtocolError):
 
 
 class ExtendedAgentCardNotConfigured(ProtocolError):
-    def __init__(self) -> None:
-        super().__init__("this agent has no extended agent card configured")
+    def __init__(self, message: str = "this agent has no extended agent card configured") -> None:
+        super().__init__(message)
 
 
 class VersionNotSupported(ProtocolError):

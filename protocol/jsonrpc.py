@@ -28,7 +28,8 @@ from protocol.errors import (
 )
 from protocol.versions import ProtocolVersion
 
-RequestId = Union[str, int, None]
+RequestId = Union[str, int, float, None]
+"""JSON-RPC 2.0 §4: a String, a Number (a fraction only discouraged) or null, answered as sent."""
 
 ERROR_INFO_TYPE = "type.googleapis.com/google.rpc.ErrorInfo"
 BAD_REQUEST_TYPE = "type.googleapis.com/google.rpc.BadRequest"
@@ -160,7 +161,7 @@ def parse_request(body: bytes | str) -> JsonRpcRequest:
 
     Raises RequestRejected wrapping ParseError (-32700) for a body that is not JSON,
     InvalidRequest (-32600) for JSON that is not a request (not an object, ``jsonrpc`` other
-    than "2.0", an id that is not a string, integer or null, no method, ``params`` that are
+    than "2.0", an id that is not a string, number or null, no method, ``params`` that are
     neither an object nor an array), and InvalidParams (-32602) for ``params`` given as an array
     (by position: A2A's are named). Batches are not part of A2A.
     """
@@ -172,8 +173,9 @@ def parse_request(body: bytes | str) -> JsonRpcRequest:
         what = "batch requests are not supported" if isinstance(obj, list) else "the body must be a JSON object"
         raise RequestRejected(InvalidRequest(f"{what}, got {describe(obj)}"))
     request_id = obj.get("id")
-    if isinstance(request_id, bool) or not isinstance(request_id, (str, int, type(None))):
-        raise RequestRejected(InvalidRequest(f"'id' must be a string, an integer or null, got {describe(request_id)}"))
+    # A float here is finite: load_json refuses a number past a double's range.
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int, float, type(None))):
+        raise RequestRejected(InvalidRequest(f"'id' must be a string, a number or null, got {describe(request_id)}"))
     method = obj.get("method", MISSING)
     known_method = method if isinstance(method, str) and method else None
     if obj.get("jsonrpc", MISSING) != "2.0":

@@ -31,6 +31,7 @@ from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 from protocol import (
     METHODS,
     VERSION_HEADER,
+    ExtendedAgentCardNotConfigured,
     InvalidRequest,
     ListTasksParams,
     Operation,
@@ -273,12 +274,15 @@ class JsonRpcEndpoint:
         return (await self.runner.cancel(self.owner, target.id)).to_json(version)
 
     async def _extended_card(self, params: Params, version: ProtocolVersion) -> object:
-        # The card says it has none; the reference answers -32004, in 0.3 as in 1.0 (wire captures).
+        # The card says it has none. In 1.0 that makes the method unsupported (-32004). 0.3 has a
+        # code for it (spec 0.3 §8.2, AuthenticatedExtendedCardNotConfiguredError), which the 0.3
+        # a2a-sdk server answers; the 1.x reference's 0.3 layer answers -32004 (wire captures).
         field = "capabilities.extendedAgentCard" if version is ProtocolVersion.V1_0 else "supportsAuthenticatedExtendedCard"
-        raise UnsupportedOperation(
+        why = (
             f"this agent has no extended agent card (its agent card does not set {field}); "
             f"the public card at {CARD_PATH} is all there is"
         )
+        raise UnsupportedOperation(why) if version is ProtocolVersion.V1_0 else ExtendedAgentCardNotConfigured(why)
 
     _unary: ClassVar[dict[Operation, Callable[[JsonRpcEndpoint, Params, ProtocolVersion], Awaitable[object]]]] = {
         Operation.SEND_MESSAGE: _send_message,

@@ -131,19 +131,14 @@ def test_parse_request_accepts_a_surrogate_pair_and_an_escaped_backslash(body: b
         ('{"id":"a","method":"GetTask"}', "a", "'jsonrpc' must be exactly \"2.0\", got nothing (the field is missing)"),
         ('{"jsonrpc":2.0,"id":1,"method":"GetTask"}', 1, "'jsonrpc' must be exactly \"2.0\", got number 2.0"),
         (
-            '{"jsonrpc":"2.0","id":1.5,"method":"GetTask"}',
-            None,
-            "'id' must be a string, an integer or null, got number 1.5",
-        ),
-        (
             '{"jsonrpc":"2.0","id":true,"method":"GetTask"}',
             None,
-            "'id' must be a string, an integer or null, got boolean true",
+            "'id' must be a string, a number or null, got boolean true",
         ),
         (
             '{"jsonrpc":"2.0","id":{},"method":"GetTask"}',
             None,
-            "'id' must be a string, an integer or null, got an empty object",
+            "'id' must be a string, a number or null, got an empty object",
         ),
         ('{"jsonrpc":"2.0","id":3}', 3, "'method' must be a non-empty string, got nothing (the field is missing)"),
         ('{"jsonrpc":"2.0","id":3,"method":7}', 3, "'method' must be a non-empty string, got integer 7"),
@@ -155,6 +150,15 @@ def test_parse_request_malformed_request_is_invalid_request(body: str, request_i
     assert isinstance(rejection.error, InvalidRequest)
     assert rejection.request_id == request_id
     assert rejection.error.message == f"invalid JSON-RPC request: {reason}"
+
+
+@pytest.mark.parametrize(("text", "value"), [("1.5", 1.5), ("1.0", 1.0), ("-2.5e3", -2500.0)])
+def test_parse_request_takes_any_json_number_as_the_id(text: str, value: float) -> None:
+    # JSON-RPC 2.0 §4 (and A2A 0.3's JSONRPCMessage): the id is a String, a Number or null, and the
+    # answer carries the same value; a fraction is only discouraged (SHOULD NOT).
+    request = parse_request('{"jsonrpc":"2.0","id":' + text + ',"method":"GetTask"}')
+    assert request.id == value
+    assert json.loads(encode_json(success_response(request.id, {})))["id"] == value
 
 
 def test_parse_request_rejection_keeps_the_method_for_choosing_the_encoding() -> None:

@@ -16,6 +16,7 @@ import pytest
 from protocol import (
     AgentCard,
     ContextMismatch,
+    ExtendedAgentCardNotConfigured,
     ListTasksParams,
     ListTasksResult,
     Operation,
@@ -65,11 +66,13 @@ HANDLER_ERRORS: dict[str, ProtocolError] = {
     ),
     "err_extended_card": UnsupportedOperation("this agent does not declare an extended agent card"),
     "err_push_not_supported": PushNotificationNotSupported(),
-    "v03_extended_card": UnsupportedOperation("this agent does not declare an extended agent card"),
+    "v03_extended_card": ExtendedAgentCardNotConfigured("this agent does not declare an extended agent card"),
     "v03_push_set": PushNotificationNotSupported(),
     "v03_tasks_cancel_again": TaskNotCancelable("e68b9e2e-debd-4576-a179-03ba613186c1", "canceled"),
     "v03_tasks_get_notfound": TaskNotFound("nope"),
 }
+# Captured errors Keel answers with another code on purpose, each with its own test below.
+OTHER_CODE = {"v03_extended_card"}
 # Requests the protocol layer itself rejects, with the code it answers.
 REJECTED = {
     "err_parse": -32700,
@@ -188,7 +191,7 @@ def test_capture_results_round_trip(name: str) -> None:
         assert reencode_result(operation, response["result"], version) == expected
 
 
-@pytest.mark.parametrize("name", sorted(HANDLER_ERRORS))
+@pytest.mark.parametrize("name", sorted(set(HANDLER_ERRORS) - OTHER_CODE))
 def test_capture_handler_errors_match_code_and_data(name: str) -> None:
     request = parse_request(request_body(name))
     version = route(request.method, header_for(name)).version
@@ -245,6 +248,18 @@ def test_v03_invalid_message_is_invalid_params_not_invalid_request() -> None:
         "message": "invalid params: 'message.messageId' must be a non-empty string, got nothing (the field is missing)",
         "data": None,
     }
+
+
+def test_v03_extended_card_is_not_configured_rather_than_unsupported() -> None:
+    """The 1.x reference's 0.3 layer answers -32004, the 1.0 code (err_extended_card); spec 0.3 §8.2
+    names -32007 (AuthenticatedExtendedCardNotConfiguredError) for an agent with no extended card,
+    and the 0.3 a2a-sdk server answers it."""
+    [captured] = response_payloads("v03_extended_card")
+    request = parse_request(request_body("v03_extended_card"))
+    ours = error_response(request.id, HANDLER_ERRORS["v03_extended_card"], V03)
+    assert captured["error"]["code"] == -32004
+    assert ours["error"]["code"] == -32007
+    assert without_message(ours) == {**captured, "error": {**without_message(captured)["error"], "code": -32007}}
 
 
 def test_v03_stream_says_final_on_input_required() -> None:

@@ -145,6 +145,27 @@ async def test_a_send_without_an_id_is_answered_with_the_task_it_started(keel: S
 
 
 @BOTH
+async def test_an_id_with_a_fraction_is_answered_with_that_id(keel: Served, version: str | None) -> None:
+    # JSON-RPC 2.0 lets a client number its requests with any JSON number; its answer (here an
+    # error, then each event of a stream) must carry the same id for the client to match it.
+    body = {**keel.body(GET[version], {"id": "no-such-task"}), "id": 2.5}
+    with trio.fail_after(DEADLINE_S):
+        response = await keel.http.post(keel.rpc_path, json=body, headers=keel.headers(version))
+    answer = response.json()
+    assert (answer["id"], answer["error"]["code"]) == (2.5, -32001), answer
+    resubscribe = {V1: "SubscribeToTask", V03: "tasks/resubscribe"}[version]
+    body = {**keel.body(resubscribe, {"id": "no-such-task"}), "id": 2.5}
+    with trio.fail_after(DEADLINE_S):
+        response = await keel.http.post(keel.rpc_path, json=body, headers=keel.headers(version))
+    if version == V03:  # an event stream of the one answer
+        assert response.text.startswith("data: "), response.text
+        answer = json.loads(response.text.removeprefix("data: "))
+    else:
+        answer = response.json()
+    assert (answer["id"], answer["error"]["code"]) == (2.5, -32001), answer
+
+
+@BOTH
 async def test_send_message_nonblocking_returns_the_task_as_created(keel: Served, version: str | None) -> None:
     keel.model.script = [Reply(tool_calls=[GATE_CALL]), Reply(text="Done.")]
     task = await keel.send("Restart the worker", version=version, blocking=False)
@@ -900,10 +921,20 @@ async def test_push_config_methods_are_not_supported(keel: Served, method: str, 
     check_error(error, -32003, version, "PUSH_NOTIFICATION_NOT_SUPPORTED")
 
 
-@pytest.mark.parametrize(("method", "version"), [("GetExtendedAgentCard", V1), ("agent/getAuthenticatedExtendedCard", V03)])
-async def test_the_extended_card_is_unsupported(keel: Served, method: str, version: str | None) -> None:
+@pytest.mark.parametrize(
+    ("method", "version", "code", "reason"),
+    [
+        # 1.0: the card does not declare capabilities.extendedAgentCard, so the method is unsupported.
+        ("GetExtendedAgentCard", V1, -32004, "UNSUPPORTED_OPERATION"),
+        # 0.3 §8.2 has a code for this very case, which the 0.3 a2a-sdk server answers too.
+        ("agent/getAuthenticatedExtendedCard", V03, -32007, "EXTENDED_AGENT_CARD_NOT_CONFIGURED"),
+    ],
+)
+async def test_the_extended_card_is_unsupported(
+    keel: Served, method: str, version: str | None, code: int, reason: str
+) -> None:
     error = await keel.error(method, {}, version=version)
-    check_error(error, -32004, version, "UNSUPPORTED_OPERATION")
+    check_error(error, code, version, reason)
     field = "capabilities.extendedAgentCard" if version == V1 else "supportsAuthenticatedExtendedCard"  # the card's own
     assert error["message"] == (
         f"this agent has no extended agent card (its agent card does not set {field});"
