@@ -21,16 +21,25 @@ _STORED_FORM = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 @attrs.frozen
 class ToolCall:
+    """One call the model made. ``extra`` is what its server attached to the call besides these,
+    as JSON text ("" when nothing): it goes back to that server with the call, unread (Gemini's
+    thought signature, without which Gemini 3 refuses the conversation)."""
+
     id: str
     name: str
     arguments: str = attrs.field(default="{}", validator=attrs.validators.instance_of(str))
+    extra: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+        data = {"id": self.id, "name": self.name, "arguments": self.arguments}
+        if self.extra:
+            data["extra"] = self.extra
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ToolCall:
-        return cls(id=str(data["id"]), name=str(data["name"]), arguments=str(data.get("arguments", "{}")))
+        arguments, extra = str(data.get("arguments", "{}")), str(data.get("extra", ""))
+        return cls(id=str(data["id"]), name=str(data["name"]), arguments=arguments, extra=extra)
 
 
 def _tool_calls(calls: Iterable[ToolCall]) -> tuple[ToolCall, ...]:
@@ -80,7 +89,7 @@ class Message:
         """The stored size when it is over ``max_bytes``, else None. Cheap for a message far under
         it: as JSON in UTF-8 a character takes at most 6 bytes (an escape such as ``\\u001f``)."""
         chars = len(self.text) + len(self.tool_call_id) + len(self.name) + len(self.turn_id)
-        chars += sum(len(call.id) + len(call.name) + len(call.arguments) + 16 for call in self.tool_calls)
+        chars += sum(len(call.id) + len(call.name) + len(call.arguments) + len(call.extra) + 24 for call in self.tool_calls)
         if chars * 6 + 128 <= max_bytes:
             return None
         size = self.stored_bytes()

@@ -17,7 +17,7 @@ from runtime.models.errors import ModelBadResponse, ModelReasoningRunaway, Model
 from runtime.models.reasoning import ThinkFilter
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
 from runtime.models.wire import (
-    SAID_CHARS, arguments_text, carries_reasoning, content_text, distinct_ids, inferred_finish_reason, optional_str, parse_usage,
+    SAID_CHARS, arguments_text, carries_reasoning, content_text, distinct_ids, extra_text, inferred_finish_reason, optional_str, parse_usage,
     reasoning_chars, tool_call, unicode_text,
 )
 
@@ -27,6 +27,7 @@ class _CallParts:
     id: str = ""
     name: str = ""
     arguments: list[str] = attrs.Factory(list)
+    extra: str = ""  # see wire.extra_text
 
 
 @attrs.define(eq=False)
@@ -142,7 +143,8 @@ class StreamAssembler:
 
     def _tool_calls(self) -> tuple[ToolCall, ...]:
         return distinct_ids(
-            tool_call(index, parts.id, parts.name, "".join(parts.arguments)) for index, parts in sorted(self._calls.items())
+            tool_call(index, parts.id, parts.name, "".join(parts.arguments), parts.extra)
+            for index, parts in sorted(self._calls.items())
         )
 
     def _unicode(self, text: str) -> str:
@@ -246,6 +248,7 @@ class StreamAssembler:
         # asking for them to be concatenated.
         parts.id = parts.id or call_id
         parts.name = parts.name or name
+        parts.extra = parts.extra or extra_text(call)
         if fragment:
             parts.arguments.append(fragment)
         return ToolCallDelta(index=index, id=call_id, name=name, arguments=fragment)

@@ -142,10 +142,12 @@ class ModelClient:
 
     async def list_models(self) -> tuple[str, ...]:
         """The ids in the server's catalog (``GET {base}/models``). Raises a ModelError subclass.
-        A catalog whose list is null lists none: Ollama's, with no model pulled yet."""
+        A catalog whose list is null lists none: Ollama's, with no model pulled yet. A catalog
+        given as the bare list of its models, not an object holding it under "data", is read
+        as well: Together's."""
         response = await self._open("GET", "models", None, accept="application/json", waiting_for="the catalog")
         data = await self._read_json(response)
-        entries = data.get("data", ()) if isinstance(data, dict) else ()
+        entries = data if isinstance(data, list) else data.get("data", ()) if isinstance(data, dict) else ()
         if entries is None:  # Ollama's, with no model pulled yet
             entries = []
         if not isinstance(entries, list):
@@ -156,11 +158,14 @@ class ModelClient:
         """Whether the server's catalog offers ``name`` (by default the configured model).
 
         A readiness check: it runs no inference. A name without a tag also matches Ollama's
-        ``name:latest``. Raises a ModelError subclass when the catalog cannot be read.
+        ``name:latest``, and any name Gemini's ``models/name``, as its catalog lists the models
+        it is asked for by their names alone. Raises a ModelError subclass when the catalog
+        cannot be read.
         """
         wanted = name or self.config.model
         models = await self.list_models()
-        return wanted in models or (":" not in wanted and f"{wanted}:latest" in models)
+        untagged = () if ":" in wanted else (f"{wanted}:latest",)
+        return any(form in models for form in (wanted, f"models/{wanted}", *untagged))
 
     async def _open(
         self, method: str, path: str, body: dict[str, Any] | None, *, accept: str, waiting_for: str = "the answer to start"

@@ -92,7 +92,20 @@ def joined_user_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": wire_arguments(call.arguments)}}
+    wire: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": wire_arguments(call.arguments)}}
+    extra = _json_object(call.extra)
+    if extra:
+        wire["extra_content"] = extra
+    return wire
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    """``text`` read as a JSON object; None when it is not one (as a call stored without any)."""
+    try:
+        value = json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def wire_arguments(arguments: str) -> str:
@@ -160,30 +173,56 @@ def tool_call_from_wire(index: int, call: object, *, model: str) -> ToolCall:
         raise ModelBadResponse(model, f"tool call {index} has no name")
     call_id = optional_str(call.get("id"), model=model, what=f"the id of tool call {index}")
     arguments = arguments_text(function.get("arguments"), model=model, index=index)
-    return tool_call(index, call_id, name, arguments)
+    return tool_call(index, call_id, name, arguments, extra_text(call))
 
 
-def tool_call(index: int, call_id: str, name: str, arguments: str) -> ToolCall:
+def tool_call(index: int, call_id: str, name: str, arguments: str, extra: str = "") -> ToolCall:
     return ToolCall(
-        id=unicode_text(call_id) or synthetic_call_id(index), name=unicode_text(name), arguments=unicode_text(arguments)
+        id=unicode_text(call_id) or synthetic_call_id(index),
+        name=unicode_text(name),
+        arguments=unicode_text(arguments),
+        extra=extra,
     )
+
+
+def extra_text(call: dict[str, Any]) -> str:
+    """What a server attached to a call (or a piece of one) in its ``extra_content``, as JSON
+    text to be sent back with the call: Gemini's OpenAI-compatible API gives each call of a
+    Gemini 3 model its thought signature there, ``{"google": {"thought_signature": ...}}``, and
+    refuses a later request whose call comes without it. "" when there is none, or it is not an
+    object (nothing a server would read back), or holds text that is not Unicode (no store can)."""
+    extra = call.get("extra_content")
+    if not isinstance(extra, dict) or not extra:
+        return ""
+    text = json.dumps(extra, ensure_ascii=False, separators=(",", ":"))
+    return "" if lone_surrogate(text) is not None else text
 
 
 def distinct_ids(calls: Iterable[ToolCall]) -> tuple[ToolCall, ...]:
     """``calls``, each with an id no other call of the answer has: a call whose id an earlier one
-    took gets that id with ``_2`` (``_3``...) after it. Each call is run and answered; its result
-    names the call it answers, and a request whose calls share an id cannot say which result is
-    whose (servers that check ids refuse it)."""
+    took gets that id with ``_2`` (``_3``...) after it, or, an id of letters and digits alone,
+    that id with its last characters made the count (``aB3dE6gH9``: ``aB3dE6gH2``): of the same
+    length and characters, as Mistral's API and its models' chat templates take no other (9
+    letters and digits). Each call is run and answered; its result names the call it answers,
+    and a request whose calls share an id cannot say which result is whose (servers that check
+    ids refuse it)."""
     taken: set[str] = set()
     distinct = []
     for call in calls:
         call_id, count = call.id, 1
         while call_id in taken:
             count += 1
-            call_id = f"{call.id}_{count}"
+            call_id = _counted(call.id, count)
         taken.add(call_id)
         distinct.append(call if call_id == call.id else attrs.evolve(call, id=call_id))
     return tuple(distinct)
+
+
+def _counted(call_id: str, count: int) -> str:
+    """The ``count``-th id made of ``call_id`` (see distinct_ids)."""
+    if call_id.isascii() and call_id.isalnum():
+        return call_id[: max(0, len(call_id) - len(str(count)))] + str(count)
+    return f"{call_id}_{count}"
 
 
 def unicode_text(text: str) -> str:
@@ -211,7 +250,9 @@ def arguments_text(arguments: object, *, model: str, index: int) -> str:
 
 def synthetic_call_id(index: int) -> str:
     # Some local servers leave the id out; a tool result still has to name the call it answers.
-    return f"call_{index}"
+    # Nine letters and digits (call00000, call00001...): the only ids Mistral's API and its
+    # models' chat templates take, and ids every other server takes too.
+    return f"call{index:05d}"
 
 
 def inferred_finish_reason(calls: tuple[ToolCall, ...]) -> str:

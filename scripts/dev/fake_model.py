@@ -27,6 +27,7 @@ import errno
 import functools
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -52,6 +53,9 @@ class Call:
     name: str
     arguments: str = "{}"
     id: str = ""  # "" gives call_<request>_<index>
+    # JSON text of an object sent as the call's "extra_content", as Gemini's OpenAI-compatible API
+    # sends a call's thought signature: {"google": {"thought_signature": "..."}}.
+    extra_content: str = ""
 
 
 def _calls(calls: Iterable[Call]) -> tuple[Call, ...]:
@@ -91,7 +95,7 @@ class Reply:
 body ends after ``error_event``, with no ``[DONE]`` (Ollama: see OLLAMA_ERROR). ``raw_bytes`` sends the surrogate
     escapes in the text and arguments (U+DC80 to U+DCFF, which ``bytes.decode("utf-8", "surrogateescape")``
     makes of bytes that are not UTF-8) as the bytes they stand for: a server that cut a character's
-    UTF-8 bytes apart.
+    UTF-8 bytes apart. ``no_call_ids`` sends the calls without ids, as some local servers do.
     """
 
     text: str = ""
@@ -119,6 +123,7 @@ body ends after ``error_event``, with no ``[DONE]`` (Ollama: see OLLAMA_ERROR). 
     prompt_tokens: int = 12
     completion_tokens: int = 8
     raw_bytes: bool = False
+    no_call_ids: bool = False
 
 
 @attrs.frozen
@@ -169,6 +174,18 @@ class FakeModel:
     api_key: str | None = None
     # Refuse, as many chat templates do, a conversation with two user messages in a row.
     alternate_roles: bool = False
+    # List the catalog as a bare JSON array of its entries, as Together's API does, rather than
+    # as an object whose "data" holds them.
+    bare_catalog: bool = False
+    # What each id in the catalog starts with that requests leave out: "models/" for Gemini's
+    # OpenAI-compatible API, which lists models/gemini-2.5-flash and is asked for gemini-2.5-flash.
+    catalog_prefix: str = ""
+    # Refuse, as Mistral's API and its models' chat templates do, a tool call id in the
+    # conversation that is not 9 letters and digits.
+    nine_char_call_ids: bool = False
+    # Refuse, as Gemini 3 models do, a conversation in which a call this server gave with
+    # extra_content (its thought signature) comes back without it.
+    wants_extra_content: bool = False
     # When set, each chat request is answered by what this makes of its body, before the script.
     respond: Callable[[dict[str, Any]], ScriptItem] | None = None
     # Every request is kept in ``received`` for a test to read; run standalone (for a demo, or a
@@ -184,6 +201,7 @@ class FakeModel:
     base_url: str = attrs.field(init=False, default="")
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _chats: int = attrs.field(init=False, default=0)  # chat requests so far, which number the answers' ids
+    _extra_given: dict[str, Any] = attrs.field(init=False, factory=dict)  # a call's id, to the extra_content it went with
 
     @property
     def bodies(self) -> list[Any]:
@@ -235,8 +253,10 @@ class FakeModel:
         else:
             await _send_json(send, 404, _error(f"no route for {scope['method']} {scope['path']}", "not_found"))
 
-    def _catalog(self) -> dict[str, Any]:
-        entries = [{"id": name, "object": "model", "created": 0, "owned_by": "keel-fake"} for name in self.models]
+    def _catalog(self) -> dict[str, Any] | list[dict[str, Any]]:
+        entries = [{"id": self.catalog_prefix + name, "object": "model", "created": 0, "owned_by": "keel-fake"} for name in self.models]
+        if self.bare_catalog:
+            return entries
         return {"object": "list", "data": entries or (None if self.null_when_empty else [])}
 
     async def _chat(self, request: Any, receive: Receive, send: Send) -> None:
@@ -250,6 +270,16 @@ class FakeModel:
         if self.alternate_roles and _two_users_in_a_row(request["messages"]):
             message = "Conversation roles must alternate user/assistant/user/assistant/..."
             await _send_json(send, 400, _error(message, "BadRequestError"))
+            return
+        bad_id = _not_nine_chars(request["messages"]) if self.nine_char_call_ids else None
+        if bad_id is not None:
+            message = f"Tool call id was {bad_id} but must be a-z, A-Z, 0-9, with a length of 9."
+            await _send_json(send, 400, _error(message, "invalid_request_error"))
+            return
+        unsigned = self._unsigned(request["messages"]) if self.wants_extra_content else None
+        if unsigned is not None:
+            message = f"Function call is missing a thought_signature in functionCall parts. Additional data, function call `{unsigned}`"
+            await _send_json(send, 400, [{"error": {"code": 400, "message": message, "status": "INVALID_ARGUMENT"}}])
             return
         if self.respond is not None:
             item: ScriptItem | None = self.respond(request)
@@ -265,6 +295,16 @@ class FakeModel:
                 nursery.cancel_scope.cancel()
         finally:
             self.answering -= 1
+
+    def _unsigned(self, messages: list[Any]) -> str | None:
+        """The name of the first call of ``messages`` that went out with extra_content and came
+        back without it (or with other)."""
+        for message in messages:
+            for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+                given = self._extra_given.get(str(call.get("id"))) if isinstance(call, dict) else None
+                if given is not None and call.get("extra_content") != given:
+                    return str(call.get("function", {}).get("name"))
+        return None
 
     async def _watch_disconnect(self, receive: Receive, exchange: _Exchange, scope: trio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -290,6 +330,9 @@ class FakeModel:
             await _send_bytes(send, item.status, body.encode(), "application/json", extra)
             return
         number = self._chats
+        for index, call in enumerate(item.tool_calls):
+            if call.extra_content:
+                self._extra_given[_call_id(call, number, index)] = json.loads(call.extra_content)
         if request.get("stream") is True and not item.ignore_stream:
             stream_options = request.get("stream_options") or {}
             usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
@@ -301,6 +344,25 @@ class FakeModel:
 def _two_users_in_a_row(messages: list[Any]) -> bool:
     roles = [message.get("role") if isinstance(message, dict) else None for message in messages]
     return any(first == second == "user" for first, second in zip(roles, roles[1:]))
+
+
+_NINE_CHARS = re.compile(r"[a-zA-Z0-9]{9}")
+
+
+def _not_nine_chars(messages: list[Any]) -> str | None:
+    """The first tool call id of ``messages`` (a call's, or the one a result answers) that is not
+    9 letters and digits."""
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        calls = message.get("tool_calls") or []
+        ids = [call.get("id") for call in calls if isinstance(call, dict)]
+        if message.get("role") == "tool":
+            ids.append(message.get("tool_call_id"))
+        for call_id in ids:
+            if not (isinstance(call_id, str) and _NINE_CHARS.fullmatch(call_id)):
+                return str(call_id)
+    return None
 
 
 def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) -> Iterator[str]:
@@ -327,9 +389,11 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
         function = {"name": call.name, "arguments": ""}
         at = 0 if reply.same_call_index else index
         call_id = _call_id(call, number, index)
-        yield chunk({"tool_calls": [{"index": at, "id": call_id, "type": "function", "function": function}]})
+        named_id = {} if reply.no_call_ids else {"id": call_id}
+        extra = {"extra_content": json.loads(call.extra_content)} if call.extra_content else {}
+        yield chunk({"tool_calls": [{"index": at, **named_id, "type": "function", "function": function, **extra}]})
         for piece in _pieces(call.arguments, reply.chunk_chars):
-            again = {"id": call_id, "type": "function"} if reply.repeat_call_names else {}
+            again = {**named_id, "type": "function"} if reply.repeat_call_names else {}
             named = {"name": call.name} if reply.repeat_call_names else {}
             yield chunk({"tool_calls": [{"index": at, **again, "function": {**named, "arguments": piece}}]})
     yield chunk({}, _finish_reason(reply))
@@ -348,7 +412,12 @@ def _completion(reply: Reply, request: dict[str, Any], number: int) -> dict[str,
         message.update(dict.fromkeys(reply.reasoning_field.split(), reply.reasoning))
     if reply.tool_calls:
         message["tool_calls"] = [
-            {"id": _call_id(call, number, index), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            {
+                **({} if reply.no_call_ids else {"id": _call_id(call, number, index)}),
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+                **({"extra_content": json.loads(call.extra_content)} if call.extra_content else {}),
+            }
             for index, call in enumerate(reply.tool_calls)
         ]
     return {
@@ -464,7 +533,7 @@ async def _dated(send: Send, clock_ahead_s: float, event: Event) -> None:
     await send(event)
 
 
-async def _send_json(send: Send, status: int, data: dict[str, Any]) -> None:
+async def _send_json(send: Send, status: int, data: object) -> None:
     await _send_bytes(send, status, _json(data).encode(), "application/json")
 
 

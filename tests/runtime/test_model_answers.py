@@ -206,9 +206,62 @@ async def test_calls_an_answer_gives_one_id_each_run_and_go_back_with_ids_of_the
     assert answered == called
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        # A Mistral model writes its calls' ids itself, and a small one can give two calls one id.
+        Reply(tool_calls=[Call("lookup", VAULT, id="aB3dE6gH9"), Call("lookup", DNS, id="aB3dE6gH9")]),
+        # A server that sends its calls without ids.
+        Reply(tool_calls=[Call("lookup", VAULT), Call("lookup", DNS)], no_call_ids=True),
+    ],
+    ids=["one-id-for-two-calls", "no-ids"],
+)
+async def test_ids_keel_gives_calls_are_ones_mistral_takes(fake_model: FakeModel, tmp_path: Path, first: Reply) -> None:
+    # Mistral's API, and its models' chat templates as vLLM and llama.cpp's server apply them,
+    # refuse any tool call id but 9 letters and digits: an id made otherwise would fail every
+    # later request of the conversation.
+    fake_model.nine_char_call_ids = True
+    fake_model.script = [first, Reply(text="Both leases expired."), Reply(text="Still expired.")]
+    calls: list[dict[str, Any]] = []
+    async with serve_keel(tmp_path / "state", fake_model, agent=AgentSpec(tools=[lookup_tool(calls)])) as keel:
+        task = await keel.send("Why did the leases expire?")
+        assert (task["status"]["state"], calls) == ("TASK_STATE_COMPLETED", [{"service": "vault"}, {"service": "dns"}])
+        again = await keel.send("And now?", contextId=task["contextId"])
+        assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
+    sent = sent_messages(fake_model.bodies[1])
+    called = [call["id"] for call in sent[1]["tool_calls"]]
+    assert len(set(called)) == 2 and [m["tool_call_id"] for m in sent if m["role"] == "tool"] == called
+
+
+@pytest.mark.parametrize("ignore_stream", [False, True], ids=["streamed", "one-body"])
+async def test_what_a_server_attaches_to_a_call_goes_back_with_it_after_a_restart_too(
+    fake_model: FakeModel, tmp_path: Path, ignore_stream: bool
+) -> None:
+    # Gemini's OpenAI-compatible API gives each call of a Gemini 3 model its thought signature in
+    # "extra_content", and refuses a later request that sends the call back without it (HTTP 400).
+    signature = json.dumps({"google": {"thought_signature": "CiQBjz1rX+sig/=="}})
+    fake_model.wants_extra_content = True
+    fake_model.script = [
+        Reply(tool_calls=[Call("lookup", VAULT, extra_content=signature)], ignore_stream=ignore_stream),
+        Reply(text="The lease expired."),
+        Reply(text="Still expired."),
+    ]
+    agent = AgentSpec(tools=[lookup_tool()])
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
+        task = await keel.send("Why did the lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:  # read back from the store
+        again = await keel.send("And now?", contextId=task["contextId"])
+    assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
+    [call] = sent_messages(fake_model.bodies[2])[1]["tool_calls"]
+    assert call["extra_content"] == json.loads(signature)
+
+
 def test_ids_made_distinct_are_distinct_from_every_id_the_answer_gives() -> None:
     calls = [ToolCall("call_7", "lookup"), ToolCall("call_7", "lookup"), ToolCall("call_7_2", "lookup"), ToolCall("x", "lookup")]
     assert [call.id for call in distinct_ids(calls)] == ["call_7", "call_7_2", "call_7_2_2", "x"]
+    nine = [ToolCall("aB3dE6gH9", "lookup"), ToolCall("aB3dE6gH9", "lookup"), ToolCall("aB3dE6gH2", "lookup"), ToolCall("aB3dE6gH9", "lookup")]
+    assert [call.id for call in distinct_ids(nine)] == ["aB3dE6gH9", "aB3dE6gH2", "aB3dE6gH3", "aB3dE6gH4"]
 
 
 async def test_a_turn_that_spends_its_budget_on_tools_fails_naming_it_and_keeps_no_answer(

@@ -102,6 +102,29 @@ async def test_healthz_says_the_model_is_absent_from_a_catalog_that_lists_none(
     assert problems == ["model unavailable: 'qwen3:4b-instruct' is absent from the model server's catalog"]
 
 
+@pytest.mark.parametrize(
+    ("bare_catalog", "catalog_prefix"),
+    [
+        # Together's GET /models answers with the array of its models, not an object holding them.
+        (True, ""),
+        # Gemini's OpenAI-compatible API lists models/gemini-2.5-flash, and is asked for gemini-2.5-flash.
+        (False, "models/"),
+    ],
+    ids=["bare-array-as-together", "models-prefix-as-gemini"],
+)
+async def test_healthz_finds_the_model_in_a_hosted_apis_catalog(
+    fake_model: FakeModel, tmp_path: Path, bare_catalog: bool, catalog_prefix: str
+) -> None:
+    fake_model.models = ("gemini-2.5-flash", "qwen3:4b-instruct")
+    fake_model.bare_catalog, fake_model.catalog_prefix = bare_catalog, catalog_prefix
+    async with serve_keel(tmp_path / "state", fake_model) as keel:
+        response = await get(keel, "/healthz")
+        assert (response.status_code, response.json()) == (200, {"status": "ready"})
+        async with open_model_client(ModelConfig(base_url=fake_model.base_url, model="gemini-2.5-flash")) as client:
+            assert await client.has_model() is True
+            assert await client.has_model("gemini-2.0-flash") is False
+
+
 async def test_healthz_reports_a_state_directory_too_full_to_store_a_turn(fake_model: FakeModel, tmp_path: Path) -> None:
     # An empty file can be made on a full disk, so making one proves little; the room left is
     # what a turn needs. Here "too full" is set past what any disk has free.
