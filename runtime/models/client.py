@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import attrs
 import httpx
@@ -165,7 +166,33 @@ class ModelClient:
         wanted = name or self.config.model
         models = await self.list_models()
         untagged = () if ":" in wanted else (f"{wanted}:latest",)
-        return any(form in models for form in (wanted, f"models/{wanted}", *untagged))
+        if any(form in models for form in (wanted, f"models/{wanted}", *untagged)):
+            return True
+        return await self._answers_for(wanted)
+
+    async def _answers_for(self, name: str) -> bool:
+        """Whether the server describes ``name`` at ``GET {base}/models/{name}``, OpenAI's route
+        for one model, though its catalog does not list it: Anthropic's lists dated ids, 20 to
+        a page, and answers there for an alias or a model on a later page, both of which its
+        chat takes. Asked once, not retried: any answer but a 2xx holding the model's entry (a
+        404 from a server with no such route, say) leaves it absent."""
+        url = self.config.url(f"models/{quote(name, safe=':@')}")
+        read_s = self.config.read_timeout_s
+        timeout = httpx.Timeout(connect=self.config.connect_timeout_s, read=read_s, write=read_s, pool=None)
+        request = self._http.build_request("GET", url, headers=self._headers("application/json"), timeout=timeout)
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.RequestError as exc:  # the catalog was read a moment ago: the server's trouble is news
+            raise failure_to_send(self.config, exc, 1, "the model's entry in the catalog").error from exc
+        try:
+            if not response.is_success:
+                return False
+            entry = await self._read_json(response)
+        except ModelError:  # not an entry, whatever it is: absent, as from a server with no such route
+            return False
+        finally:
+            await response.aclose()
+        return isinstance(entry, dict) and isinstance(entry.get("id"), str)
 
     async def _open(
         self, method: str, path: str, body: dict[str, Any] | None, *, accept: str, waiting_for: str = "the answer to start"

@@ -180,6 +180,10 @@ class FakeModel:
     # What each id in the catalog starts with that requests leave out: "models/" for Gemini's
     # OpenAI-compatible API, which lists models/gemini-2.5-flash and is asked for gemini-2.5-flash.
     catalog_prefix: str = ""
+    # Names answered at GET /v1/models/NAME, as Anthropic's API answers an alias (or a model past
+    # the first page of its catalog) there, to the model it stands for, though its catalog does
+    # not list it: alias to the id answered.
+    aliases: dict[str, str] = attrs.Factory(dict)
     # Refuse, as Mistral's API and its models' chat templates do, a tool call id in the
     # conversation that is not 9 letters and digits.
     nine_char_call_ids: bool = False
@@ -250,6 +254,8 @@ class FakeModel:
             await _send_json(send, 200, self._catalog())
         elif (scope["method"], scope["path"]) == ("POST", "/v1/chat/completions"):
             await self._chat(body, receive, send)
+        elif scope["method"] == "GET" and (entry := self._entry(scope["path"])) is not None:
+            await _send_json(send, 200, entry)
         else:
             await _send_json(send, 404, _error(f"no route for {scope['method']} {scope['path']}", "not_found"))
 
@@ -258,6 +264,12 @@ class FakeModel:
         if self.bare_catalog:
             return entries
         return {"object": "list", "data": entries or (None if self.null_when_empty else [])}
+
+    def _entry(self, path: str) -> dict[str, Any] | None:
+        """The catalog's entry for GET /v1/models/NAME: a model it lists, or an alias's model."""
+        name = path.removeprefix("/v1/models/") if path.startswith("/v1/models/") else ""  # ASGI's path is decoded
+        model = self.aliases.get(name) or (name if name and name in self.models else None)
+        return None if model is None else {"id": model, "object": "model", "created": 0, "owned_by": "keel-fake"}
 
     async def _chat(self, request: Any, receive: Receive, send: Send) -> None:
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):

@@ -125,6 +125,24 @@ async def test_healthz_finds_the_model_in_a_hosted_apis_catalog(
             assert await client.has_model("gemini-2.0-flash") is False
 
 
+async def test_healthz_finds_a_model_the_server_answers_for_by_name_though_its_catalog_does_not_list_it(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # Anthropic's catalog lists dated ids (20 to a page) and answers GET /v1/models/NAME for an
+    # alias, or for a model past the first page, with the model it stands for; chat takes both.
+    fake_model.models = ("claude-sonnet-4-5-20250929",)
+    fake_model.aliases = {"claude-opus-4-1": "claude-opus-4-1-20250805", "qwen3:4b-instruct": "qwen3:4b-instruct-2507"}
+    async with serve_keel(tmp_path / "state", fake_model) as keel:  # the model configured: qwen3:4b-instruct
+        response = await get(keel, "/healthz")
+        assert (response.status_code, response.json()) == (200, {"status": "ready"})
+    async with open_model_client(ModelConfig(base_url=fake_model.base_url, model="claude-opus-4-1")) as client:
+        assert await client.has_model() is True
+        assert await client.has_model("claude-sonnet-4-5-20250929") is True  # listed: not asked for by name
+        assert await client.has_model("claude-haiku-9") is False  # answered 404: absent
+    asked = [received.path for received in fake_model.received if received.path.startswith("/v1/models/")]
+    assert asked == ["/v1/models/qwen3:4b-instruct", "/v1/models/claude-opus-4-1", "/v1/models/claude-haiku-9"]
+
+
 async def test_healthz_reports_a_state_directory_too_full_to_store_a_turn(fake_model: FakeModel, tmp_path: Path) -> None:
     # An empty file can be made on a full disk, so making one proves little; the room left is
     # what a turn needs. Here "too full" is set past what any disk has free.
