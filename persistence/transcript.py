@@ -53,7 +53,10 @@ class Message:
     ``partial`` marks an assistant message the model was still streaming when the run was
     cancelled: what it had said so far, kept rather than lost. ``turn_id`` names the turn a
     user message opened (the runner uses the A2A task's id), so that a turn resumed after a
-    crash finds where it began; it is stored, never sent to the model.
+    crash finds where it began; it is stored, never sent to the model. ``reasoning`` is what
+    the model server gave as ``reasoning_content`` with an assistant message's tool calls: it
+    goes back with them (DeepSeek's thinking mode and Kimi refuse a conversation whose tool
+    calls come back without it).
     """
 
     role: str = attrs.field(validator=attrs.validators.in_(ROLES))
@@ -63,6 +66,7 @@ class Message:
     name: str = ""
     partial: bool = False
     turn_id: str = ""
+    reasoning: str = ""
 
     def to_json(self) -> str:
         """The stored form: empty fields are left out, so the shape stays small and stable."""
@@ -79,6 +83,8 @@ class Message:
             data["partial"] = True
         if self.turn_id:
             data["turn_id"] = self.turn_id
+        if self.reasoning:
+            data["reasoning"] = self.reasoning
         return _STORED_FORM.encode(data)
 
     def stored_bytes(self) -> int:
@@ -88,9 +94,9 @@ class Message:
     def oversize(self, max_bytes: int) -> int | None:
         """The stored size when it is over ``max_bytes``, else None. Cheap for a message far under
         it: as JSON in UTF-8 a character takes at most 6 bytes (an escape such as ``\\u001f``)."""
-        chars = len(self.text) + len(self.tool_call_id) + len(self.name) + len(self.turn_id)
+        chars = len(self.text) + len(self.tool_call_id) + len(self.name) + len(self.turn_id) + len(self.reasoning)
         chars += sum(len(call.id) + len(call.name) + len(call.arguments) + len(call.extra) + 24 for call in self.tool_calls)
-        if chars * 6 + 128 <= max_bytes:
+        if chars * 6 + 160 <= max_bytes:
             return None
         size = self.stored_bytes()
         return size if size > max_bytes else None
@@ -131,6 +137,7 @@ class Message:
                 name=data.get("name", ""),
                 partial=bool(data.get("partial", False)),
                 turn_id=data.get("turn_id", ""),
+                reasoning=data.get("reasoning", ""),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a message: {exc}") from exc

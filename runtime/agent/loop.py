@@ -367,14 +367,19 @@ class AgentRun:
                     # An answer of nothing is no answer: completed, the client would be told nothing,
                     # and the model shown a reply it never gave.
                     raise AnswerEmpty()
-                if completion.message.oversize(limit) is not None:
+                answer = completion.message
+                if answer.reasoning and answer.oversize(limit) is not None:
+                    # Its calls are what the run needs; a server that wants their reasoning
+                    # back refuses the next request without it, and says so.
+                    answer = attrs.evolve(answer, reasoning="")
+                if answer.oversize(limit) is not None:
                     raise AnswerTooLarge(limit)
         except BaseException:
             # After the stream is closed, so the model server hears at once that we left.
             if stream is not None:
                 await self._keep_partial(stream.partial_message())
             raise
-        return completion.message
+        return answer
 
     @property
     def _max_message_bytes(self) -> int:

@@ -58,6 +58,7 @@ class StreamAssembler:
     _think: ThinkFilter = attrs.field(init=False, factory=ThinkFilter)  # reasoning opening the text is not the answer
     _reasoned: bool = attrs.field(init=False, default=False)  # reasoning came apart from the text
     _reasoning_chars: int = attrs.field(init=False, default=0)  # of reasoning, in the answer so far
+    _reasoning_content: list[str] = attrs.field(init=False, factory=list)  # see wire.carries_reasoning
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
     _moved: dict[int, int] = attrs.field(init=False, factory=dict)  # a server's call index, to the call it now leads to
     _finish_reason: str = attrs.field(init=False, default="")
@@ -139,7 +140,8 @@ class StreamAssembler:
         calls = () if partial else self._tool_calls()
         # A surrogate held for its pair is the answer's, unless the text is still in its reasoning.
         text = "".join(self._text) + ("" if self._think.thinking else unicode_text(self._held))
-        return Message(role="assistant", text=text, tool_calls=calls, partial=partial)
+        reasoning = unicode_text("".join(self._reasoning_content)) if calls else ""
+        return Message(role="assistant", text=text, tool_calls=calls, partial=partial, reasoning=reasoning)
 
     def _tool_calls(self) -> tuple[ToolCall, ...]:
         return distinct_ids(
@@ -205,6 +207,8 @@ class StreamAssembler:
         if not isinstance(delta, dict):
             raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
         self._reasoned = self._reasoned or carries_reasoning(delta)
+        if isinstance(given := delta.get("reasoning_content"), str):
+            self._reasoning_content.append(given)
         content = self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content"))
         text = self._think.feed(content)
         # What its reasoning block held, or what came apart from the content: counted for the whole

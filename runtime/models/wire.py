@@ -64,6 +64,8 @@ def message_to_wire(index: int, message: Message) -> dict[str, Any]:
         # The API's own shape for an assistant turn that only calls tools is content: null.
         wire["content"] = message.text or None
         wire["tool_calls"] = [tool_call_to_wire(call) for call in message.tool_calls]
+        if message.reasoning:  # only ever kept from a server that sent it so: see carries_reasoning
+            wire["reasoning_content"] = message.reasoning
     return wire
 
 
@@ -157,8 +159,10 @@ def parse_completion(data: object, *, model: str) -> Completion:
         raise ModelBadResponse(model, "the message's tool calls are not a list")
     calls = distinct_ids(tool_call_from_wire(index, call, model=model) for index, call in enumerate(wire_calls))
     reason = optional_str(choices[0].get("finish_reason"), model=model, what="the finish reason")
+    reasoning = message.get("reasoning_content")
+    reasoning = unicode_text(reasoning) if calls and isinstance(reasoning, str) else ""
     return Completion(
-        message=Message(role="assistant", text=text, tool_calls=calls),
+        message=Message(role="assistant", text=text, tool_calls=calls, reasoning=reasoning),
         finish_reason=reason or inferred_finish_reason(calls),
         usage=parse_usage(data.get("usage"), model=model),
     )
@@ -286,6 +290,13 @@ def _count(value: object) -> int | None:
     if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
     return None
+
+
+# What a model reasons before it calls tools goes back with its calls, as the field it came in:
+# ``reasoning_content``, which DeepSeek's thinking mode and Moonshot's Kimi refuse a conversation
+# without ("Missing `reasoning_content` field in the assistant message"). Only what a server sent
+# is sent back (OpenAI's and Groq's refuse a field they do not know), and only with tool calls:
+# an answer's reasoning is read back by none of them. Reasoning under other names is not kept.
 
 
 def carries_reasoning(message: dict[str, Any]) -> bool:

@@ -190,6 +190,9 @@ class FakeModel:
     # Refuse, as Gemini 3 models do, a conversation in which a call this server gave with
     # extra_content (its thought signature) comes back without it.
     wants_extra_content: bool = False
+    # Refuse, as DeepSeek's thinking mode and Kimi do, a conversation in which an assistant message
+    # whose tool calls this server gave with reasoning_content comes back without that reasoning.
+    wants_reasoning_back: bool = False
     # When set, each chat request is answered by what this makes of its body, before the script.
     respond: Callable[[dict[str, Any]], ScriptItem] | None = None
     # Every request is kept in ``received`` for a test to read; run standalone (for a demo, or a
@@ -206,6 +209,7 @@ class FakeModel:
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _chats: int = attrs.field(init=False, default=0)  # chat requests so far, which number the answers' ids
     _extra_given: dict[str, Any] = attrs.field(init=False, factory=dict)  # a call's id, to the extra_content it went with
+    _reasoning_given: dict[str, str] = attrs.field(init=False, factory=dict)  # a call's id, to the reasoning_content it came after
 
     @property
     def bodies(self) -> list[Any]:
@@ -288,6 +292,11 @@ class FakeModel:
             message = f"Tool call id was {bad_id} but must be a-z, A-Z, 0-9, with a length of 9."
             await _send_json(send, 400, _error(message, "invalid_request_error"))
             return
+        unreasoned = self._unreasoned(request["messages"]) if self.wants_reasoning_back else None
+        if unreasoned is not None:
+            message = f"Missing `reasoning_content` field in the assistant message at message index {unreasoned}"
+            await _send_json(send, 400, _error(message, "invalid_request_error"))
+            return
         unsigned = self._unsigned(request["messages"]) if self.wants_extra_content else None
         if unsigned is not None:
             message = f"Function call is missing a thought_signature in functionCall parts. Additional data, function call `{unsigned}`"
@@ -307,6 +316,17 @@ class FakeModel:
                 nursery.cancel_scope.cancel()
         finally:
             self.answering -= 1
+
+    def _unreasoned(self, messages: list[Any]) -> int | None:
+        """The index of the first assistant message of ``messages`` with a call this server gave
+        after reasoning, that comes back without that reasoning as its reasoning_content."""
+        for index, message in enumerate(messages):
+            calls = (message.get("tool_calls") or []) if isinstance(message, dict) else []
+            for call in calls:
+                given = self._reasoning_given.get(str(call.get("id"))) if isinstance(call, dict) else None
+                if given is not None and message.get("reasoning_content") != given:
+                    return index
+        return None
 
     def _unsigned(self, messages: list[Any]) -> str | None:
         """The name of the first call of ``messages`` that went out with extra_content and came
@@ -345,6 +365,8 @@ class FakeModel:
         for index, call in enumerate(item.tool_calls):
             if call.extra_content:
                 self._extra_given[_call_id(call, number, index)] = json.loads(call.extra_content)
+            if item.reasoning and "reasoning_content" in item.reasoning_field.split():
+                self._reasoning_given[_call_id(call, number, index)] = item.reasoning
         if request.get("stream") is True and not item.ignore_stream:
             stream_options = request.get("stream_options") or {}
             usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True

@@ -257,6 +257,47 @@ async def test_what_a_server_attaches_to_a_call_goes_back_with_it_after_a_restar
     assert call["extra_content"] == json.loads(signature)
 
 
+@pytest.mark.parametrize("ignore_stream", [False, True], ids=["streamed", "one-body"])
+async def test_the_reasoning_before_a_models_tool_calls_goes_back_with_them_after_a_restart_too(
+    fake_model: FakeModel, tmp_path: Path, ignore_stream: bool
+) -> None:
+    # DeepSeek's thinking mode (and Kimi) refuses, with HTTP 400, every later request of a
+    # conversation in which an assistant message's tool calls come back without the
+    # reasoning_content they came after. An answer's reasoning is never sent back.
+    fake_model.wants_reasoning_back = True
+    thought = "The user asks about the lease; look the vault up."
+    fake_model.script = [
+        Reply(reasoning=thought, tool_calls=[Call("lookup", VAULT)], ignore_stream=ignore_stream),
+        Reply(reasoning="Answer plainly.", text="The lease expired.", ignore_stream=ignore_stream),
+        Reply(text="Still expired."),
+    ]
+    agent = AgentSpec(tools=[lookup_tool()])
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
+        task = await keel.send("Why did the lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:  # read back from the store
+        again = await keel.send("And now?", contextId=task["contextId"])
+    assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
+    sent = sent_messages(fake_model.bodies[2])
+    assert [m.get("reasoning_content") for m in sent if m["role"] == "assistant"] == [thought, None]
+    assert all("reasoning" not in m for m in sent)
+
+
+async def test_reasoning_too_large_to_keep_with_its_calls_is_let_go_and_the_calls_run(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    thought = "x" * (MAX_REASONING_CHARS - 10)  # under the bound on reasoning; with the call, over a message's
+    fake_model.script = [Reply(reasoning=thought, tool_calls=[Call("lookup", VAULT)], chunk_chars=1 << 16), Reply(text="The lease expired.")]
+    calls: list[dict[str, Any]] = []
+    async with serve_keel(tmp_path / "state", fake_model, agent=AgentSpec(tools=[lookup_tool(calls)])) as keel:
+        task = await keel.send("Why did the lease expire?")
+    assert (task["status"]["state"], calls) == ("TASK_STATE_COMPLETED", [{"service": "vault"}])
+    stored = await stored_messages(tmp_path / "state" / "runtime.db", task["contextId"])
+    [asked] = [m for m in stored if m.tool_calls]
+    assert asked.reasoning == ""
+    assert "reasoning_content" not in sent_messages(fake_model.bodies[1])[2]
+
+
 def test_ids_made_distinct_are_distinct_from_every_id_the_answer_gives() -> None:
     calls = [ToolCall("call_7", "lookup"), ToolCall("call_7", "lookup"), ToolCall("call_7_2", "lookup"), ToolCall("x", "lookup")]
     assert [call.id for call in distinct_ids(calls)] == ["call_7", "call_7_2", "call_7_2_2", "x"]
