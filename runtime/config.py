@@ -42,6 +42,7 @@ from runtime.models import DEFAULT_BASE_URL, DEFAULT_MODEL, url_credentials, wit
 from runtime.models.endpoint import MISPLACED_AT, misplaced_at, port_unusable
 
 ORPHAN_POLICIES = ("resume", "fail")
+MODEL_CHECKS = ("catalog", "off")  # what /healthz asks of the model server
 
 
 class ConfigError(Exception):
@@ -356,10 +357,13 @@ def read_key_file(path: Path) -> str:
     return _api_key(key)
 
 
-def _orphans(text: str) -> str:
-    if text not in ORPHAN_POLICIES:
-        raise ValueError(f"it must be one of: {', '.join(ORPHAN_POLICIES)}")
-    return text
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"it must be one of: {', '.join(choices)}")
+        return text
+
+    return parse
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -391,7 +395,15 @@ SETTINGS: tuple[Setting, ...] = (
         "max_model_connections", "AGENT_MAX_MODEL_CONNECTIONS", _positive_int, "--max-model-connections",
         "model requests open at once; more wait their turn",
     ),  # fmt: skip
-    Setting("orphans", "AGENT_ORPHANS", _orphans, "--orphans", "what to do with tasks a dead process left running: resume or fail"),
+    Setting(
+        "orphans", "AGENT_ORPHANS", _one_of(ORPHAN_POLICIES), "--orphans",
+        "what to do with tasks a dead process left running: resume or fail",
+    ),  # fmt: skip
+    Setting(
+        "model_check", "AGENT_MODEL_CHECK", _one_of(MODEL_CHECKS), "--model-check",
+        "what /healthz asks of the model server: catalog (that its catalog offers the model) or off (nothing: a server"
+        " whose catalog lists other names than requests give, as Azure OpenAI's deployments, or that has none)",
+    ),  # fmt: skip
     Setting(
         "send_timeout_s", "AGENT_SEND_TIMEOUT_S", _positive_float, "--send-timeout-s",
         "how long a client may take none of what it is sent before its connection is closed",
@@ -418,6 +430,7 @@ class Config:
     model_timeout_s: float = 60.0
     public_url: str | None = None
     orphans: str = "resume"
+    model_check: str = "catalog"
     send_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     cleanup_timeout_s: float = 5.0  # bound on every shielded write of a terminal state

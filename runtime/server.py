@@ -225,8 +225,11 @@ async def _serve_http(
     # The model catalog checks /healthz sets going run here, over when HTTP is (the catalog
     # client closes after).
     async with trio.open_nursery() as checks:
+        if config.model_check == "off":
+            logger.info("AGENT_MODEL_CHECK=off: /healthz does not check that the model server offers %r", config.model)
         health = Health(
-            state_dir=config.state_dir, model=catalog, session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping,
+            state_dir=config.state_dir, model=catalog if config.model_check == "catalog" else None,
+            session_file=SESSIONS_FILE, task_file=TASKS_FILE, draining=runner.stopping,
             background=checks, opened={SESSIONS_FILE: sessions.pool.check_sound, TASKS_FILE: tasks.pool.check_sound},
         )  # fmt: skip
         http_done = trio.Event()

@@ -184,6 +184,9 @@ class FakeModel:
     # the first page of its catalog) there, to the model it stands for, though its catalog does
     # not list it: alias to the id answered.
     aliases: dict[str, str] = attrs.Factory(dict)
+    # Names its chat takes though its catalog neither lists them nor answers for them, as Azure
+    # OpenAI's deployments: its catalog lists the models they deploy.
+    deployments: tuple[str, ...] = attrs.field(default=(), converter=_names)
     # Refuse, as Mistral's API and its models' chat templates do, a tool call id in the
     # conversation that is not 9 letters and digits.
     nine_char_call_ids: bool = False
@@ -279,7 +282,7 @@ class FakeModel:
         if not isinstance(request, dict) or not isinstance(request.get("messages"), list):
             await _send_json(send, 400, _error("the body must be a JSON object with a list of messages", "invalid_request_error"))
             return
-        if request.get("model") not in self.models:
+        if request.get("model") not in (*self.models, *self.aliases, *self.deployments):
             message = f"model {json.dumps(request.get('model'))} not found, try pulling it first"
             await _send_json(send, 404, _error(message, "not_found_error"))
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import socket
 import sqlite3
@@ -88,6 +89,26 @@ async def test_healthz_names_an_unreachable_model_server_without_waiting_on_retr
             f"model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct': "
             "the model server cannot be reached"
         ]
+
+
+async def test_healthz_leaves_the_model_unchecked_when_told_to(
+    tmp_path: Path, fake_model: FakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Azure OpenAI's catalog lists its base models, and requests name a deployment; some gateways
+    # have no catalog at all. With model_check "off", /healthz does not ask for one.
+    caplog.set_level(logging.INFO, logger="runtime.server")
+    fake_model.models, fake_model.deployments = ("gpt-4o-2024-11-20",), ("gpt-4o-prod",)
+    fake_model.default = Reply(text="ok")
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        running_server(tmp_path / "state", fake_model.base_url, model="gpt-4o-prod", model_check="off") as server,
+    ):
+        health = await client.get(server.url + "healthz")
+        assert (health.status_code, health.json()) == (200, {"status": "ready"})
+        sent = await rpc(client, server.url, "SendMessage", {"message": user_message("hi")})
+        assert sent["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED", sent
+    assert not [r for r in fake_model.received if r.path.startswith("/v1/models")]
+    assert "AGENT_MODEL_CHECK=off: /healthz does not check that the model server offers 'gpt-4o-prod'" in caplog.text
 
 
 async def test_a_steer_sent_while_the_answer_is_written_gets_one_more_step(tmp_path: Path, fake_model: FakeModel) -> None:

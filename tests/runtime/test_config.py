@@ -53,6 +53,13 @@ def test_config_reports_every_problem_at_once_and_hides_secrets() -> None:
     assert "AGENT_MODEL_API_KEY=(hidden)" in text
 
 
+def test_the_model_check_is_the_catalog_unless_turned_off() -> None:
+    assert (Config.load({}).model_check, Config.load({}, {"model_check": "off"}).model_check) == ("catalog", "off")
+    with pytest.raises(ConfigError) as caught:
+        Config.load({"AGENT_MODEL_CHECK": "none"})
+    assert "AGENT_MODEL_CHECK='none' is not valid: it must be one of: catalog, off" in str(caught.value)
+
+
 @pytest.mark.parametrize("given", ["0", "1000001", "many", "1_000", "\uff11\uff12", "\u0661\u0662"])
 def test_a_count_out_of_range_is_refused_naming_the_range(given: str) -> None:
     with pytest.raises(ConfigError) as caught:
