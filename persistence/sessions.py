@@ -25,6 +25,7 @@ from persistence.sessionwrites import (
     ensure_txn,
     events_txn,
     length_txn,
+    messages_txn,
     now_ms,
     pending_steers_txn,
     save_and_take_txn,
@@ -43,7 +44,6 @@ from persistence.validate import (
     check_session_id,
     check_steer_params,
     checked_append,
-    decode_messages,
     lone_surrogate,
 )
 from persistence.errors import naming_session
@@ -189,7 +189,7 @@ class SqliteSessionStore(WriterBacked):
         return await self.pool.run(length_txn, session_id)
 
     async def messages(self, session_id: str) -> list[Message]:
-        return decode_messages(session_id, [event.content for event in await self.events(session_id)])
+        return await self.pool.run(messages_txn, self._lengths, session_id)
 
     async def save_and_take_steers(
         self,

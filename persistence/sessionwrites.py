@@ -1,10 +1,11 @@
 """The session store's transactions, and what the writer's connection knows of each session.
 
 Each ``*_txn`` runs on the connection its caller hands it, in the pool's thread: inside a batch's
-transaction of the group-commit writer, or (``length_txn``, ``events_txn``, ``pending_steers_txn``,
-reads) as a call on the pool.
+transaction of the group-commit writer, or (``length_txn``, ``events_txn``, ``messages_txn``,
+``pending_steers_txn``, reads) as a call on the pool, between two batches.
 Those that write events or take steers are given the writer's ``SessionLengths`` and keep it up
-to date, so that an append is one INSERT and a save reads nothing back. Apart from
+to date, so that an append is one INSERT and a save reads nothing back; so is ``messages_txn``,
+so that a turn's read of its conversation decodes only what the connection has not seen. Apart from
 ``persistence.sessions``, which holds the schema and the store: the store checks what it is given
 and submits these, and keeps to itself only its other reads and the states' one-statement writes.
 A text of a session that is no longer UTF-8 (a byte of its row damaged) fails the read with
@@ -23,7 +24,7 @@ import attrs
 from persistence.api import DEFAULT_APP_NAME, SteerReceipt
 from persistence.errors import TranscriptConflict, UnreadableSession
 from persistence.transcript import Message
-from persistence.validate import lone_surrogate, plan_save
+from persistence.validate import decode_messages, lone_surrogate, plan_save
 
 
 def now_ms() -> int:
@@ -69,6 +70,24 @@ def events_txn(conn: sqlite3.Connection, session_id: str, after: int) -> list[tu
         raise
 
 
+def messages_txn(conn: sqlite3.Connection, lengths: SessionLengths, session_id: str) -> list[Message]:
+    """The session's messages, for a turn that reads its conversation whole: those known to be
+    its first events (the messages its saves were given, or an earlier read made), and only the
+    events after them read and decoded, then known too. A conversation's every turn reads it, and
+    a long one would otherwise be read back and decoded whole each time (and the turn's first
+    save compare each message with what it knew). Run between batches, in the pool's thread."""
+    if lone_surrogate(session_id):  # never stored: refused on the way in (and unbindable)
+        return []
+    lengths.check_current(conn)
+    known = lengths.verified.setdefault(session_id, [])
+    contents = [content for _, _, _, content in events_txn(conn, session_id, len(known) - 1)]
+    if _data_version(conn) != lengths.data_version:  # another connection committed as it read: know nothing of it
+        return decode_messages(session_id, [content for _, _, _, content in events_txn(conn, session_id, -1)])
+    known += decode_messages(session_id, contents, first_index=len(known))  # all of them, or none
+    lengths.kept(session_id, contents)
+    return list(known)
+
+
 def check_texts(conn: sqlite3.Connection, session_id: str, what: str, sql: str, params: tuple[object, ...]) -> None:
     """After a read of the session's rows failed: UnreadableSession naming the first row ``sql``
     reads (its key, then its texts as bytes) with a text that is not UTF-8, which SQLite's driver
@@ -107,29 +126,39 @@ class SessionLengths:
 
     data_version: int | None = None
     known: dict[str, int] = attrs.field(factory=dict)
-    # The first events of a session, as messages a save was given and found (or made) them to be.
+    # The first events of a session, as messages a save was given and found (or made) them to be,
+    # or a read of its conversation decoded.
     verified: dict[str, list[Message]] = attrs.field(factory=dict)
     no_steers: set[str] = attrs.field(factory=set)  # sessions with no steer waiting
     max_known: int = 10_000  # then forgotten: a cache, not a record of every session ever written
     max_verified_chars: int = 64 << 20  # likewise once the messages kept come to this many characters stored
     verified_chars: int = 0
+    session_chars: dict[str, int] = attrs.field(factory=dict)  # of each session's, the characters kept
     rows: list[tuple[str, int, str, int, str]] = attrs.field(factory=list)  # events not yet inserted
     careful: bool = False  # a savepoint per write: insert at once, inside it
     now: int = 0
 
     def begin(self, conn: sqlite3.Connection, *, careful: bool) -> None:
-        (version,) = conn.execute("PRAGMA data_version").fetchone()
+        self.check_current(conn)
+        self.rows.clear()
+        self.careful = careful
+        self.now = now_ms()
+
+    def check_current(self, conn: sqlite3.Connection) -> None:
+        """Forget what is known if another connection has committed since it was learnt, or if
+        it has grown past its bounds; outside a batch, only between two of them."""
+        version = _data_version(conn)
+        if self.verified_chars > self.max_verified_chars:
+            self._drop_largest()
         if (
             version != self.data_version
             or len(self.known) > self.max_known
+            or len(self.verified) > self.max_known
             or len(self.no_steers) > self.max_known
             or self.verified_chars > self.max_verified_chars
         ):
             self.forget()
             self.data_version = version
-        self.rows.clear()
-        self.careful = careful
-        self.now = now_ms()
 
     def flush(self, conn: sqlite3.Connection) -> None:
         """Insert the events queued so far; before anything reads the events table."""
@@ -156,6 +185,7 @@ class SessionLengths:
         self.known.clear()
         self.verified.clear()
         self.verified_chars = 0
+        self.session_chars.clear()
         self.no_steers.clear()
 
     def length(self, conn: sqlite3.Connection, session_id: str) -> int:
@@ -177,6 +207,7 @@ class SessionLengths:
         verified = self.verified.get(session_id)
         if verified is None or len(verified) > stored:
             verified = self.verified[session_id] = []
+            self.verified_chars -= self.session_chars.pop(session_id, 0)
         return verified
 
     def stored_from(self, conn: sqlite3.Connection, session_id: str, start: int) -> list[str]:
@@ -192,12 +223,32 @@ class SessionLengths:
         except sqlite3.OperationalError:
             check_texts(conn, session_id, "message", _EVENTS_AS_BYTES, (session_id, start - 1))
             raise
-        self.verified_chars += sum(map(len, contents))
+        self.kept(session_id, contents)
         return contents
 
-    def written(self, contents: Sequence[str]) -> None:
-        """``contents`` were just written, and their messages kept (by ``plan_save``)."""
-        self.verified_chars += sum(map(len, contents))
+    def kept(self, session_id: str, contents: Sequence[str]) -> None:
+        """The messages of ``contents`` (events of the session) are kept now: read, or just
+        written (by ``plan_save``)."""
+        chars = sum(map(len, contents))
+        self.verified_chars += chars
+        self.session_chars[session_id] = self.session_chars.get(session_id, 0) + chars
+
+    def _drop_largest(self) -> None:
+        """Past the bound on characters kept, forget first the sessions that hold more than half
+        of it alone. Such a session is back past it at its next save (which reads it whole, as it
+        is not kept), and forgetting every session then made every other conversation's saves
+        read their transcripts back, batch after batch."""
+        for session_id, chars in list(self.session_chars.items()):
+            if chars > self.max_verified_chars // 2:
+                del self.session_chars[session_id]
+                self.verified.pop(session_id, None)
+                self.verified_chars -= chars
+
+
+def _data_version(conn: sqlite3.Connection) -> int:
+    """Changes whenever another connection has committed to the database (never for this one's)."""
+    (version,) = conn.execute("PRAGMA data_version").fetchone()
+    return int(version)
 
 
 _INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
@@ -227,7 +278,7 @@ def save_txn(
     )
     if contents:
         lengths.insert(conn, session_id, stored, "agent", contents)
-        lengths.written(contents)
+        lengths.kept(session_id, contents)
 
 
 def take_steers_txn(

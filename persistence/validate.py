@@ -283,9 +283,9 @@ def check_sizes(session_id: str, contents: Sequence[str], *, first_index: int, m
             raise InvalidEvent(session_id, first_index + offset, f"it is {size} bytes, over the limit of {max_bytes}")
 
 
-def decode_messages(session_id: str, contents: Sequence[str]) -> list[Message]:
+def decode_messages(session_id: str, contents: Sequence[str], *, first_index: int = 0) -> list[Message]:
     messages = []
-    for index, content in enumerate(contents):
+    for index, content in enumerate(contents, start=first_index):
         try:
             messages.append(Message.from_json(content))
         except ValueError as exc:

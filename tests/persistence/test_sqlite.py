@@ -105,6 +105,13 @@ async def test_what_the_writer_knows_of_a_session_is_dropped_when_another_connec
             await here.save_and_take_steers("s", [question, answer, answer, Message(role="user", text="Then?")])
         assert await here.take_steers("s") == ["check the canary first"]
         assert [m.text for m in await here.messages("s")] == ["Which region?", "eu-west-1.", "And the rollback?"]
+        # Nor does a read trust what it knew once another connection has written since.
+        await there.save("s", [question, answer, Message(role="user", text="And the rollback?"), answer])
+        assert [m.text for m in await here.messages("s")] == ["Which region?", "eu-west-1.", "And the rollback?", "eu-west-1."]
+        with closing(sqlite3.connect(tmp_path / "runtime.db")) as other, other:  # a message another program wrote again
+            again = Message(role="assistant", text="us-east-2.").to_json()
+            other.execute("UPDATE events SET content = ? WHERE session_id = 's' AND seq = 1", (again,))
+        assert [m.text for m in await here.messages("s")] == ["Which region?", "us-east-2.", "And the rollback?", "eu-west-1."]
 
 
 async def test_group_commit_puts_concurrent_appends_in_few_transactions(tmp_path: Path) -> None:
@@ -1092,3 +1099,93 @@ async def test_a_session_whose_stored_text_is_no_longer_utf8_is_named_unreadable
         assert [message.text for message in await store.messages("sound")] == ["sound question " + "q" * 60]
         assert await store.take_steers("sound") == ["sound steer " + "s" * 60, "recorded"]
         assert [steer.message_id for steer in await store.pending_steers(session_id="sound")] == ["sound-steer", "sound-record"]
+
+
+async def test_a_turn_reads_only_the_messages_of_its_conversation_that_its_store_has_not_seen(tmp_path: Path) -> None:
+    # Every turn reads its conversation whole, for the model. Read back from its rows and decoded
+    # each time, a turn of a conversation twice as long cost twice as much before the model was
+    # asked, though the store had been given every one of those messages by the saves before it.
+    # What SQLite does for a turn (its read, its two saves) is counted in its steps, not timed.
+    async with open_session_store(tmp_path / "runtime.db") as store:
+
+        async def turn(session_id: str, k: int) -> list[Message]:
+            messages = await store.messages(session_id)
+            messages.append(Message(role="user", text=f"question {k}", turn_id=f"task-{k}"))
+            await store.save(session_id, messages)
+            messages.append(Message(role="assistant", text=f"answer {k}"))
+            await store.save(session_id, messages)
+            return messages
+
+        said: dict[str, list[Message]] = {}  # the transcript each conversation's last turn left
+
+        async def steps_of_a_turn(session_id: str, k: int) -> int:
+            counted = [0]
+
+            def count() -> int:
+                counted[0] += 1
+                return 0  # go on
+
+            await store.pool.run(lambda conn: conn.set_progress_handler(count, 10))
+            try:
+                said[session_id] = await turn(session_id, k)
+            finally:
+                await store.pool.run(lambda conn: conn.set_progress_handler(None, 10))
+            return counted[0]
+
+        steps = {}
+        for length in (200, 400):
+            session_id = f"conversation of {length}"
+            earlier = [
+                Message(role="user", text=f"question {k}", turn_id=f"task-{k}")
+                if k % 2 == 0
+                else Message(role="assistant", text=f"answer {k}")
+                for k in range(length)
+            ]
+            await store.save(session_id, earlier)
+            await turn(session_id, length)  # the turn before
+            steps[length] = await steps_of_a_turn(session_id, length + 1)
+        assert steps[400] < steps[200] * 1.2, steps
+        assert [len(transcript) for transcript in said.values()] == [204, 404]
+        for session_id, transcript in said.items():
+            assert await store.messages(session_id) == transcript
+    # What a turn reads is what is stored, as a store that has seen none of it reads it too.
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        for session_id, transcript in said.items():
+            assert await store.messages(session_id) == transcript
+
+
+async def test_a_conversation_larger_than_the_writers_cache_leaves_the_others_known(tmp_path: Path) -> None:
+    # The writer's connection keeps the messages each session's saves were given, up to so many
+    # characters, and forgot them all once past it: a conversation larger than that alone came
+    # back at its next save, past it again, so every batch forgot every session, and each save of
+    # every other conversation read its whole transcript back. Counted in SQLite's steps, not timed.
+    async with open_session_store(tmp_path / "runtime.db") as store:
+        store._lengths.max_verified_chars = 50_000
+        small = [Message(role="user", text=f"question {k}") for k in range(300)]
+        big = [Message(role="user", text="x" * 20_000) for _ in range(4)]  # 80,000 characters alone
+        await store.save("small", small)
+        await store.save("big", big)
+
+        async def steps_of(call: Any) -> int:
+            counted = [0]
+
+            def count() -> int:
+                counted[0] += 1
+                return 0  # go on
+
+            await store.pool.run(lambda conn: conn.set_progress_handler(count, 10))
+            try:
+                await call()
+            finally:
+                await store.pool.run(lambda conn: conn.set_progress_handler(None, 10))
+            return counted[0]
+
+        steps = []
+        for k in range(3):
+            big.append(Message(role="assistant", text=f"answer {k}"))
+            await store.save("big", big)
+            small.append(Message(role="assistant", text=f"answer {k}"))
+            steps.append(await steps_of(lambda: store.save("small", small)))
+        alone = await steps_of(lambda: store.save("small", [*small, Message(role="user", text="and then?")]))
+        assert max(steps) < 2 * alone, (steps, alone)
+        assert [len(await store.messages(name)) for name in ("small", "big")] == [304, 7]
