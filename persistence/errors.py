@@ -70,9 +70,13 @@ class InvalidEvent(StoreError):
 
 
 class TranscriptConflict(StoreError):
-    def __init__(self, session_id: str, reason: str) -> None:
+    """``reason`` says how the transcript or append differs from what is stored, in counts and
+    positions alone (no text of the messages, no path)."""
+
+    def __init__(self, session_id: str, reason: str, *, hint: str = "") -> None:
         self.session_id = session_id
-        super().__init__(f"session {session_id!r}: {reason}")
+        self.reason = reason
+        super().__init__(f"session {session_id!r}: {reason}" + (f"; {hint}" if hint else ""))
 
 
 class InvalidTask(StoreError):

@@ -39,6 +39,8 @@ class Session:
             await self.store.save(self.id, messages)
 
     async def messages(self) -> list[Message]:
+        """The transcript as stored, in order: what a run continuing the conversation is given,
+        with the new messages after it. An unknown session has none."""
         with naming_session(self.id):
             return await self.store.messages(self.id)
 
@@ -49,6 +51,8 @@ class Session:
             return await self.store.add_steer(self.id, text, message_id=message_id)
 
     async def take_steers(self) -> list[str]:
+        """Hand out the steers waiting for this handle's runs, each once, oldest first (the loop
+        takes them itself, with its saves)."""
         with naming_session(self.id):
             return await self.store.take_steers(self.id, for_task=self.task_id)
 

@@ -304,6 +304,9 @@ class SqliteSessionStore(WriterBacked):
 
 @asynccontextmanager
 async def open_session_store(path: Path, **options: Any) -> AsyncIterator[SqliteSessionStore]:
-    """A session store whose writer runs in a nursery owned by this context."""
+    """A session store over the SQLite file at ``path`` (created with its schema if absent), its
+    writer running in a nursery owned by this context; closed, what it wrote durable, when the
+    block is left. ``options``: those of ``SqliteSessionStore.open`` (``synchronous``, "FULL" by
+    default; ``max_event_bytes``). An error raised in the block comes out as itself."""
     async with running(await SqliteSessionStore.open(path, **options)) as store:
         yield store

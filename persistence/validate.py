@@ -224,7 +224,7 @@ def plan_save(
         given = list(given)  # any Sequence will do: a deque, say, which cannot be sliced
     if len(given) < stored:
         raise TranscriptConflict(
-            session_id, f"the transcript has {len(given)} messages but {stored} are stored; a save must extend what is stored"
+            session_id, f"the transcript has {_count(len(given))} but {stored} are stored", hint=_EXTEND
         )
     known = len(verified)  # at most ``stored``: they are stored
     verified += given[known:]
@@ -263,8 +263,15 @@ def _differs(session_id: str, given: Sequence[Message], verified: Sequence[Messa
     raise _conflict(session_id, next(i for i, (mine, had) in enumerate(zip(given, verified)) if mine != had))
 
 
+_EXTEND = "a save must extend what is stored"
+
+
+def _count(messages: int) -> str:
+    return "1 message" if messages == 1 else f"{messages} messages"
+
+
 def _conflict(session_id: str, index: int) -> TranscriptConflict:
-    return TranscriptConflict(session_id, f"message {index} differs from the stored one; a save must extend what is stored")
+    return TranscriptConflict(session_id, f"message {index} differs from the stored one", hint=_EXTEND)
 
 
 def check_text(session_id: str, contents: Sequence[str], *, first_index: int) -> None:

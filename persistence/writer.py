@@ -317,13 +317,21 @@ class WriterBacked:
 
 @asynccontextmanager
 async def running(store: W) -> AsyncIterator[W]:
-    """Run ``store``'s writer in a nursery owned by this context; close the store on exit."""
+    """Run ``store``'s writer in a nursery owned by this context; close the store on exit.
+
+    An error raised in the block comes out of it as itself, not inside the nursery's exception
+    group, so that a caller's ``except`` around the block (a ModelError, say) catches it."""
+    raised: Exception | None = None
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(store.run)
             try:
                 yield store
+            except Exception as exc:  # the block's own; Cancelled and KeyboardInterrupt go on through the nursery
+                raised = exc
             finally:
                 await store.aclose()
     finally:
         await store.pool.aclose()
+    if raised is not None:
+        raise raised

@@ -21,7 +21,8 @@ from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
 from runtime.agent import AgentError, AgentRun, AgentSpec, BudgetExhausted, MaxStepsReached, Model
 from runtime.agent.errors import SEND_AGAIN_WHEN_BACK, UNTIL_RESTORED
-from runtime.endings import OVERTAKEN, SHUT_DOWN, Outcome, Working, answer_streamer, answered, completed, settle, turn_of
+from runtime.agent.loop import answered
+from runtime.endings import OVERTAKEN, SHUT_DOWN, Outcome, Working, answer_streamer, completed, settle, turn_of
 from runtime.models import ModelError, ModelTimeout
 from runtime.reachable import ModelWait
 from runtime.tasks import LiveTask, message_text

@@ -116,12 +116,6 @@ async def _cancel_stored(tasks: TaskStore, runs: Mapping[str, LiveTask], owner: 
     return canceled
 
 
-def answered(turn: list[Transcribed]) -> bool:
-    """Whether a turn's transcript ends with the model's answer (an assistant message, no tool calls)."""
-    last = turn[-1]
-    return last.role == "assistant" and not last.tool_calls and not last.partial
-
-
 def turn_of(messages: list[Transcribed], task_id: str) -> tuple[list[Transcribed], bool]:
     """The task's turn in the transcript: from the question it saved up to the next turn's
     question, empty if its question was never saved; and whether a later turn follows it (one

@@ -88,14 +88,24 @@ UNTIL_RESTORED = "until the server's operator restores the storage (the server l
 
 class SaveFailed(AgentError):
     """``what`` is the action that failed ("saving the transcript", ...); ``before_model`` says
-    whether the run stopped before its next model request (false for the save at the end)."""
+    whether the run stopped before its next model request (false for the save at the end);
+    ``conflict``, how the transcript the run was given differs from the stored one (a
+    TranscriptConflict's reason), when that is why."""
 
-    def __init__(self, session_id: str, what: str, *, before_model: bool = True, damaged: bool = False) -> None:
+    def __init__(
+        self, session_id: str, what: str, *, before_model: bool = True, damaged: bool = False, conflict: str = ""
+    ) -> None:
         self.session_id = session_id
         # Said to the client of the task that fails with it: its context is the session, and the
         # task's end, which it reads, is stored all the same.
         outcome = "so the run stopped before calling the model" if before_model else "so the conversation does not hold it"
-        if damaged:  # no outage that passes: the storage stays so until it is restored
+        if conflict:  # nothing failed: the run was given a transcript other than the one stored
+            super().__init__(
+                f"{what} for session {session_id!r} failed, {outcome}: the transcript the run was given does not extend"
+                f" the one stored ({conflict}); give the run the session's stored messages (Session.messages()),"
+                " then the new ones"
+            )
+        elif damaged:  # no outage that passes: the storage stays so until it is restored
             super().__init__(
                 f"{what} for context {session_id!r} failed: the server's storage is damaged where it is kept, {outcome};"
                 f" its turns fail so {UNTIL_RESTORED}"

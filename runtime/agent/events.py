@@ -19,16 +19,23 @@ class StepStarted:
 
 @attrs.frozen
 class TextDelta:
+    """A piece of the answer's text, as the model streams it (the whole answer is in the Result)."""
+
     text: str
 
 
 @attrs.frozen
 class ToolCalled:
+    """The model called a tool; the call is about to be checked and run."""
+
     call: ToolCall
 
 
 @attrs.frozen
 class ToolResult:
+    """What goes back to the model for a call: the tool's text, or an error (``is_error``) saying
+    what was wrong with the call or how the tool failed."""
+
     call_id: str
     name: str
     text: str
@@ -45,6 +52,8 @@ class SteerApplied:
 
 @attrs.frozen
 class UsageReported:
+    """The tokens one model request took, as its server reported them (the turn's sum is in the Result)."""
+
     usage: Usage
 
 

@@ -5,7 +5,8 @@ before every model request and once more when it returns, and before every reque
 steers waiting for it: those handed to the run (``AgentRun.steer``) and those left for the
 session by anyone, anywhere (``Session.steer``). There is no resume call: running the loop on a
 session's stored messages, on any process, continues the conversation (``AgentRun._ask`` says
-what a crash costs).
+what a crash costs); a transcript that ends with the model's answer is a turn already over, and
+the run returns that answer without asking the model again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from persistence.errors import is_damage, told_before
+from persistence.errors import TranscriptConflict, is_damage, told_before
 from persistence.session import Session
 from persistence.transcript import Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
@@ -165,7 +166,9 @@ class AgentRun:
         self._box.add(text)
 
     async def run(self) -> Result:
-        """Run the turn to the model's answer. Blocks for the whole turn.
+        """Run the turn to the model's answer. Blocks for the whole turn. A transcript that ends
+        with the model's answer (a turn resumed after its answer was stored) is a turn already
+        over: its answer is returned (saved, if it is not stored yet) and the model is not asked.
 
         Cancellation ends it promptly (see the class docstring). Raises BudgetExhausted or
         MaxStepsReached when the model will not conclude (the last step's work is stored first),
@@ -216,6 +219,13 @@ class AgentRun:
         tools = {tool.name: tool for tool in self.spec.tools}
         specs = tuple(tool.spec() for tool in self.spec.tools)
         steps = continuations = 0
+        if answered(self.messages):
+            # A turn resumed after its answer was stored is over: asked again, the model would
+            # answer it twice (or its server refuse two assistant messages in a row).
+            if self.gate is not None:
+                async with self.gate.lock:
+                    self.gate.closed = True
+            return
         if self._calls >= self.spec.max_model_calls:  # spent before a restart
             raise BudgetExhausted(self.spec.max_model_calls)
         # A run resumed from a session's stored messages starts here; if a process died during
@@ -309,7 +319,7 @@ class AgentRun:
         try:
             taken = await session.save_and_take_steers(self.messages, placed=steer_message)
         except Exception as exc:  # any failure, as in _save
-            raise SaveFailed(session.id, what, before_model=before_model, damaged=is_damage(exc)) from exc
+            raise SaveFailed(session.id, what, before_model=before_model, damaged=is_damage(exc), conflict=_conflict(exc)) from exc
         self.messages.extend(map(steer_message, taken))  # as saved
         self._saved = len(self.messages)
         return taken
@@ -326,7 +336,7 @@ class AgentRun:
             except Exception as exc:
                 # Whatever the store raises (its own errors, or a driver's it let through), the
                 # run stops with an error naming the session; the store's words stay in __cause__.
-                raise SaveFailed(self.session.id, what, before_model=before_model, damaged=is_damage(exc)) from exc
+                raise SaveFailed(self.session.id, what, before_model=before_model, damaged=is_damage(exc), conflict=_conflict(exc)) from exc
             return
         raise SaveFailed(self.session.id, f"{what} within {bound_s:g} s", before_model=before_model)
 
@@ -427,6 +437,15 @@ class AgentRun:
             self.on_event(ToolResult(call.id, call.name, result.text, outcome.is_error))
 
 
+def answered(messages: Sequence[Message]) -> bool:
+    """Whether a transcript ends with the model's answer: an assistant message, whole, that
+    calls no tool. The next turn begins with the next user message."""
+    if not messages:
+        return False
+    last = messages[-1]
+    return last.role == "assistant" and not last.tool_calls and not last.partial
+
+
 def _characters(delta: Delta, named: set[tuple[int, str]]) -> int:
     """The characters a delta adds to the answer. A call's id and name count once each, in the
     first piece that carries them, as the answer keeps them, however many pieces repeat them
@@ -442,6 +461,11 @@ def _characters(delta: Delta, named: set[tuple[int, str]]) -> int:
                 size += len(text)
         return size
     return 0
+
+
+def _conflict(exc: Exception) -> str:
+    """How the transcript a run saved differs from the stored one, if that is why its save failed."""
+    return exc.reason if isinstance(exc, TranscriptConflict) else ""
 
 
 def _fitted(result: Message, limit: int) -> Message:

@@ -7,6 +7,7 @@ never ends the run.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import operator
@@ -29,7 +30,9 @@ Invoke = Callable[[dict[str, Any]], Awaitable[str]]
 
 @attrs.frozen
 class Tool:
-    """A tool: its name, what it does, a JSON schema for its arguments, and the coroutine that runs it.
+    """A tool: its name, what it does, a JSON schema for its arguments, and the coroutine that runs it:
+    ``invoke`` is an ``async def`` given the call's arguments (a dict, checked against the schema)
+    and returning text for the model; what it raises goes back to the model as the call's error.
 
     The schema may use only the keywords its calls are checked against (``schema_mistake`` says
     why one is refused, as the tool is made). ``invoke`` runs on the event loop: a blocking call
@@ -91,7 +94,14 @@ async def _call_tool(tools: Mapping[str, Tool], call: ToolCall, about: str) -> O
         return Outcome(f"error: {call.name} was called with bad arguments: {problem}", True)
     with trio.move_on_after(tool.timeout_s):
         try:
-            text = await tool.invoke(arguments)
+            pending = tool.invoke(arguments)
+            if not inspect.isawaitable(pending):  # a plain def: it ran, on the event loop, and gave no coroutine
+                logger.warning(
+                    "%stool %r is not async: calling it returned a %s, which cannot be awaited; define it with async def",
+                    about, call.name, type(pending).__name__,
+                )  # fmt: skip
+                return Outcome(f"error: {call.name} failed: it could not be run", True)
+            text = await pending
         except (Exception, SystemExit, GeneratorExit) as exc:  # the model's to handle; Cancelled is not caught
             # SystemExit too: a tool wrapping a command's argparse parser must not end the process
             # (KeyboardInterrupt goes on: it may be the operator's Ctrl-C, raised inside the tool).

@@ -17,6 +17,8 @@ In a test (``tests/conftest.py`` has the ``fake_model`` fixture)::
 Standalone, for demos (one reply to every request, forever)::
 
     python scripts/dev/fake_model.py --port 8000 --reply "The lease expired."
+
+With ``--call-tool NAME`` it first calls the tool NAME, then replies once the tool's result comes.
 """
 
 from __future__ import annotations
@@ -596,6 +598,19 @@ async def _serve_forever(fake: FakeModel, host: str, port: int) -> None:
         print(f"fake model (a test double) serving {fake.base_url} with models {', '.join(fake.models)}", flush=True)
 
 
+def calling(tool: str, reply: Reply) -> Callable[[dict[str, Any]], ScriptItem]:
+    """A ``respond`` that calls ``tool`` (no arguments) when the conversation's last message is
+    not a tool's result, and gives ``reply`` when it is."""
+
+    def respond(request: dict[str, Any]) -> ScriptItem:
+        messages = request.get("messages") or [{}]
+        if messages[-1].get("role") == "tool":
+            return reply
+        return attrs.evolve(reply, text="", tool_calls=[Call(tool)])
+
+    return respond
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="A fake OpenAI-compatible model server (a test double) that gives one reply to every request.")
     parser.add_argument("--host", default="127.0.0.1")
@@ -604,9 +619,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", action="append", help=f"a model id in the catalog (repeatable; default {DEFAULT_MODEL})")
     parser.add_argument("--api-key", default=None, help="require this Bearer key")
     parser.add_argument("--gap-s", type=float, default=0.02, help="seconds between streamed chunks")
+    parser.add_argument(
+        "--call-tool", metavar="NAME", default=None,
+        help="first call the tool NAME (with no arguments), and give the reply once its result is sent back",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     models = tuple(args.model or [DEFAULT_MODEL])
-    fake = FakeModel(default=Reply(text=args.reply, gap_s=args.gap_s), models=models, api_key=args.api_key, record=False)
+    reply = Reply(text=args.reply, gap_s=args.gap_s)
+    respond = None if args.call_tool is None else calling(args.call_tool, reply)
+    fake = FakeModel(default=reply, models=models, api_key=args.api_key, record=False, respond=respond)
     try:
         trio.run(_serve_forever, fake, args.host, args.port)
     except* KeyboardInterrupt:  # raised inside the server's nursery, so it comes in a group

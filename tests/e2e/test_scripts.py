@@ -165,3 +165,18 @@ async def test_the_readme_demo_steers_then_cancels_a_slow_reply_from_the_fake_mo
     assert canceled["status"]["state"] == "TASK_STATE_CANCELED"
     partial = canceled["artifacts"][0]["parts"][0]["text"]
     assert partial and reply.startswith(partial) and partial != reply, partial
+
+
+async def test_the_fake_model_server_told_to_call_a_tool_calls_it_then_replies() -> None:
+    # The README's program that uses the loop from Python runs against it so.
+    async with fake_model_script("--gap-s", "0", "--call-tool", "clock", "--reply", "It is noon.") as (_process, url):
+        asked = [{"role": "user", "content": "What time is it?"}]
+        with trio.fail_after(STARTUP_DEADLINE_S):
+            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+                first = (await client.post("/chat/completions", json={"model": "qwen3:4b-instruct", "messages": asked})).json()
+                call = first["choices"][0]["message"]["tool_calls"][0]
+                answered = [*asked, first["choices"][0]["message"], {"role": "tool", "tool_call_id": call["id"], "content": "12:00"}]
+                second = (await client.post("/chat/completions", json={"model": "qwen3:4b-instruct", "messages": answered})).json()
+    assert call["function"] == {"name": "clock", "arguments": "{}"}
+    assert second["choices"][0]["message"]["content"] == "It is noon."
+    assert not second["choices"][0]["message"].get("tool_calls")

@@ -149,6 +149,20 @@ async def test_a_tool_that_returns_no_text_is_a_tool_error() -> None:
     assert (outcome.text, outcome.is_error) == ("error: sloppy failed: it returned no text", True)
 
 
+async def test_a_tool_that_is_not_async_is_said_to_be_so_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    def plain(_arguments: dict[str, Any]) -> str:  # the mistake under test: no async
+        return "green"
+
+    tool = make_tool("plain", plain)  # type: ignore[arg-type]
+    outcome = await call_tool({"plain": tool}, ToolCall("call_1", "plain", "{}"))
+    assert (outcome.text, outcome.is_error) == ("error: plain failed: it could not be run", True)
+    [record] = [r for r in caplog.records if r.name == "runtime.agent.tools"]
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (
+        "tool 'plain' is not async: calling it returned a str, which cannot be awaited; define it with async def"
+    )
+
+
 async def test_a_tool_that_runs_past_its_timeout_is_a_tool_error(autojump_clock: trio.testing.MockClock) -> None:
     async def hang(_arguments: dict[str, Any]) -> str:
         await trio.sleep_forever()
