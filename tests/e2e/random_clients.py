@@ -13,6 +13,8 @@ import subprocess
 import traceback
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from tests.e2e.harness import SERVING, STARTUP_DEADLINE_S, KeelProcess, child_en
 MODEL_TIMEOUT_S = 2  # how long a hanging model holds a run before it fails
 SETTLE_DEADLINE_S = 60  # a bound for a slow machine; settling takes a few seconds
 WAIT_S = 1.5  # how long a client waits on a stream or a blocking send before it reads the task instead
+FIRST_EVENT_DEADLINE_S = 30  # a bound for a slow machine on a stream's first event, which always comes
 
 UNFINISHED = ("TASK_STATE_SUBMITTED", "TASK_STATE_WORKING")
 TERMINAL = ("TASK_STATE_COMPLETED", "TASK_STATE_FAILED", "TASK_STATE_CANCELED", "TASK_STATE_REJECTED")
@@ -91,6 +94,9 @@ class Driver:
     state_dir: Path
     fake_model: FakeModel
     seed: int
+    wait_s: float = WAIT_S  # see WAIT_S
+    model_timeout_s: float = MODEL_TIMEOUT_S  # the server's, as started
+    drain_timeout_s: float = 5  # likewise
     rng: random.Random = attrs.field(init=False)
     client: httpx.AsyncClient = attrs.field(init=False)
     keel: KeelProcess | None = None
@@ -135,7 +141,9 @@ class Driver:
         return result
 
     async def stream(self, method: str, params: dict[str, Any], version: str) -> list[dict[str, Any]]:
-        """The responses of a streaming method, until the stream ends or ``WAIT_S`` passes."""
+        """The responses of a streaming method: the first, however long it takes (the headers
+        go out before it, and a busy machine may take a while to send it), then the others until
+        the stream ends or ``wait_s`` passes."""
         body = {"jsonrpc": "2.0", "id": uuid.uuid4().hex, "method": method, "params": params}
         headers = {"A2A-Version": "1.0"} if version == "1.0" else {}
         request = with_whole_body(self.client.build_request("POST", self.url, json=body, headers=headers))
@@ -146,11 +154,15 @@ class Driver:
                 events.append(json.loads(await response.aread()))
                 return events
             parser = SseParser()
-            with trio.move_on_after(WAIT_S):
-                async for chunk in response.aiter_bytes():
-                    for event in parser.feed(chunk):
-                        if event.data:
-                            events.append(json.loads(event.data))
+            chunks = response.aiter_bytes()
+            with trio.fail_after(FIRST_EVENT_DEADLINE_S):
+                async for chunk in chunks:
+                    events += [json.loads(event.data) for event in parser.feed(chunk) if event.data]
+                    if events:
+                        break
+            with trio.move_on_after(self.wait_s):
+                async for chunk in chunks:
+                    events += [json.loads(event.data) for event in parser.feed(chunk) if event.data]
         finally:
             await response.aclose()
         return events
@@ -286,7 +298,7 @@ class Driver:
             self.check(bool(events), f"{source}: a stream with no event")
             first = self.task_of({"result": events[0].get("result")}, version) if "result" in events[0] else None
             if first is None:
-                self.error_of(events[0], source, (-32602, -32004))
+                self.refused(events[0], message, version, source)
                 return
             if first["id"] not in self.tasks:
                 self.adopt(first, version, message, version)
@@ -299,7 +311,7 @@ class Driver:
             configuration = {"configuration": {"returnImmediately": True} if version == "1.0" else {"blocking": False}}
         method = "SendMessage" if version == "1.0" else "message/send"
         reply = None
-        with trio.move_on_after(WAIT_S if how == "blocking" else 30):
+        with trio.move_on_after(self.wait_s if how == "blocking" else 30):
             reply = await self.rpc(method, {"message": message, **configuration}, version)
         if reply is None:  # the client gave up waiting: the same message sent again gets its task
             self.note(f"  gave up waiting; sent again at once")
@@ -308,12 +320,20 @@ class Driver:
         self.unanswered.remove((message, version))
         task = self.task_of(reply, version)
         if task is None:
-            self.error_of(reply, source, (-32602, -32004))
+            self.refused(reply, message, version, source)
             return
         if task["id"] not in self.tasks:
             self.adopt(task, version, message, version)
         self.seen(task, version, whole_history=True, source=source)
         self.note(f"  -> {task['id']} {self.tasks[task['id']].state}")
+
+    def refused(self, reply: dict[str, Any], message: dict[str, Any], version: str, source: str) -> None:
+        """A send refused. One refused as the server shuts down is sent again once the next is up,
+        as the refusal says: a task the server could not confirm may land yet."""
+        error = self.error_of(reply, source, (-32602, -32004))
+        if "shutting down" in str(error.get("message")):
+            self.unanswered.append((message, version))
+        self.note(f"  -> refused {error['code']}: {str(error.get('message'))[:120]}")
 
     def stream_events(self, known: Known, events: list[dict[str, Any]], version: str, source: str) -> None:
         ended = False
@@ -342,7 +362,8 @@ class Driver:
         self.note(f"steer v{version} {message['messageId']} -> {target.id} (told {target.state})")
         await self.steer_with(target, message, version)
 
-    async def steer_with(self, target: Known, message: dict[str, Any], version: str) -> None:
+    async def steer_with(self, target: Known, message: dict[str, Any], version: str) -> bool:
+        """Whether the steer was taken (answered with its task), rather than refused."""
         source = f"steer {message['messageId']}"
         method = "SendMessage" if version == "1.0" else "message/send"
         configuration = {"configuration": {"returnImmediately": True} if version == "1.0" else {"blocking": False}}
@@ -352,7 +373,7 @@ class Driver:
         if task is None:
             error = self.error_of(reply, source, (-32004, -32602), names=None)
             self.note(f"  -> refused {error['code']}: {error['message'][:120]}")
-            return
+            return False
         self.check(task["id"] == target.id, f"{source}: a steer to {target.id} answered with task {task['id']}")
         self.check(was not in TERMINAL or any(s["messageId"] == message["messageId"] for s, _ in target.steers),
                    f"{source}: a steer to task {target.id}, which had ended ({was}), was taken")
@@ -360,17 +381,14 @@ class Driver:
             target.steers.append((message, version))
         self.seen(task, version, whole_history=True, source=source)
         self.note(f"  -> taken, {target.state}")
+        return True
 
     async def resend(self) -> None:
         target = self.pick()
         if target is None:
             return
         if target.steers and self.rng.random() < 0.5:
-            message, version = self.rng.choice(target.steers)
-            self.note(f"resend steer {message['messageId']} of {target.id}")
-            before = len(target.steers)
-            await self.steer_with(target, message, version)
-            self.check(len(target.steers) == before, f"resent steer {message['messageId']} refused")
+            await self.resend_steer(target, *self.rng.choice(target.steers))
             return
         message, version = target.first, target.first_version
         how = self.rng.choice(["blocking", "immediate", "stream"])
@@ -378,6 +396,11 @@ class Driver:
         count = len(self.tasks)
         await self.deliver(message, version, how)
         self.check(len(self.tasks) == count, f"resent {message['messageId']} started a second task")
+
+    async def resend_steer(self, target: Known, message: dict[str, Any], version: str) -> None:
+        """A steer the server acknowledged, sent again: answered with its task again."""
+        self.note(f"resend steer {message['messageId']} of {target.id}")
+        self.check(await self.steer_with(target, message, version), f"resent steer {message['messageId']} refused")
 
     async def race(self) -> None:
         """Two requests at once: a message sent twice, a steer sent twice, a steer and a cancel,
@@ -662,8 +685,8 @@ class Driver:
         orphans = self.rng.choice(["resume", "fail"])
         self.note(f"start (orphans: {orphans})")
         command = serve_command(
-            self.state_dir, self.fake_model.base_url, "--orphans", orphans, "--model-timeout-s", str(MODEL_TIMEOUT_S),
-            "--drain-timeout-s", "5",
+            self.state_dir, self.fake_model.base_url, "--orphans", orphans, "--model-timeout-s", str(self.model_timeout_s),
+            "--drain-timeout-s", str(self.drain_timeout_s),
         )  # fmt: skip
         process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
         keel = self.keel = KeelProcess(process)
@@ -786,7 +809,8 @@ class Driver:
         """The model saw each question and each steer at most once a request, and every steer of a
         task that completed; a task's requests held the questions its conversation had answered
         before it was sent."""
-        asked = [json.dumps(body["messages"]) for body in self.fake_model.bodies]
+        # A request cut short (its server killed as it sent it) is none the model read: no body.
+        asked = [json.dumps(body["messages"]) for body in self.fake_model.bodies if body is not None]
         for known in self.tasks.values():
             question = json.dumps(known.first["parts"][0]["text"])[1:-1]
             counts = [body.count(question) for body in asked]
@@ -809,8 +833,7 @@ class Driver:
             "send": self.send, "steer": self.steer, "resend": self.resend, "get": self.get, "both": self.both_versions,
             "list": self.list_tasks, "subscribe": self.subscribe, "cancel": self.cancel, "restart": self.restart, "race": self.race, "misuse": self.misuse, "agree": self.list_agrees,
         }  # fmt: skip
-        async with httpx.AsyncClient(timeout=30) as self.client, trio.open_nursery() as self.nursery:
-            await self.start()
+        async with self.serving():
             try:
                 for _ in range(actions):
                     await do[self.rng.choice(kinds)]()
@@ -821,6 +844,15 @@ class Driver:
                 raise
             except Exception as error:  # noqa: BLE001  (any failure reports the actions that led to it)
                 self.fail(f"{type(error).__name__}: {error}\n{''.join(traceback.format_exception(error)[-6:])}")
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """A server started on the state directory, and the clients' connections to it; the
+        server still running at the end is killed."""
+        async with httpx.AsyncClient(timeout=30) as self.client, trio.open_nursery() as self.nursery:
+            try:
+                await self.start()
+                yield
             finally:
                 if self.keel is not None and self.keel.process.poll() is None:
                     self.keel.process.kill()
