@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from contextlib import closing
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,23 @@ from tests.persistence.state_helpers import another_users
 def pragma(path: Path, name: str) -> object:
     with sqlite3.connect(path) as conn:
         return conn.execute(f"PRAGMA {name}").fetchone()[0]
+
+
+async def sqlite_steps(pool: SqlitePool, call: Callable[[], Awaitable[object]]) -> int:
+    """How many steps of SQLite's virtual machine (in tens) the pool's connection takes while
+    ``call`` runs: a count of the work a call does that does not depend on the machine's speed."""
+    counted = [0]
+
+    def count() -> int:
+        counted[0] += 1
+        return 0  # go on
+
+    await pool.run(lambda conn: conn.set_progress_handler(count, 10))
+    try:
+        await call()
+    finally:
+        await pool.run(lambda conn: conn.set_progress_handler(None, 10))
+    return counted[0]
 
 
 async def test_sqlite_pool_uses_wal_full_sync_foreign_keys_and_a_busy_timeout(tmp_path: Path) -> None:
@@ -1022,19 +1040,8 @@ async def test_listings_and_finding_unfinished_tasks_read_no_more_among_thousand
         for n in range(3):
             await store.create("alice", task_id=f"mine-{n}", context_id="mine", state="TASK_STATE_WORKING", task_json="{}")
 
-        async def steps(call: Any) -> int:
-            counted = [0]
-
-            def count() -> int:
-                counted[0] += 1
-                return 0  # go on
-
-            await store.pool.run(lambda conn: conn.set_progress_handler(count, 10))
-            try:
-                await call()
-            finally:
-                await store.pool.run(lambda conn: conn.set_progress_handler(None, 10))
-            return counted[0]
+        def steps(call: Any) -> Awaitable[int]:
+            return sqlite_steps(store.pool, call)
 
         async def listings() -> list[int]:
             counts = []
@@ -1119,18 +1126,10 @@ async def test_a_turn_reads_only_the_messages_of_its_conversation_that_its_store
         said: dict[str, list[Message]] = {}  # the transcript each conversation's last turn left
 
         async def steps_of_a_turn(session_id: str, k: int) -> int:
-            counted = [0]
-
-            def count() -> int:
-                counted[0] += 1
-                return 0  # go on
-
-            await store.pool.run(lambda conn: conn.set_progress_handler(count, 10))
-            try:
+            async def one() -> None:
                 said[session_id] = await turn(session_id, k)
-            finally:
-                await store.pool.run(lambda conn: conn.set_progress_handler(None, 10))
-            return counted[0]
+
+            return await sqlite_steps(store.pool, one)
 
         steps = {}
         for length in (200, 400):
@@ -1166,19 +1165,8 @@ async def test_a_conversation_larger_than_the_writers_cache_leaves_the_others_kn
         await store.save("small", small)
         await store.save("big", big)
 
-        async def steps_of(call: Any) -> int:
-            counted = [0]
-
-            def count() -> int:
-                counted[0] += 1
-                return 0  # go on
-
-            await store.pool.run(lambda conn: conn.set_progress_handler(count, 10))
-            try:
-                await call()
-            finally:
-                await store.pool.run(lambda conn: conn.set_progress_handler(None, 10))
-            return counted[0]
+        def steps_of(call: Callable[[], Awaitable[object]]) -> Awaitable[int]:
+            return sqlite_steps(store.pool, call)
 
         steps = []
         for k in range(3):
