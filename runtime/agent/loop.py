@@ -27,7 +27,7 @@ from runtime.agent.errors import (
     AnswerEmpty, AnswerFailed, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed,
 )
 from runtime.agent.events import AgentEvent, StepStarted, SteerApplied, TextDelta, ToolCalled, ToolResult, UsageReported
-from runtime.agent.steers import SteerBox, labelled_after_steers, steer_message
+from runtime.agent.steers import SteerBox, is_steer, labelled_after_steers, steer_message
 from runtime.agent.tools import Outcome, Tool, call_tool
 from runtime.models import ChatRequest, Completion, Delta, ToolCallDelta, ToolSpec, Usage
 from runtime.models import TextDelta as ModelText
@@ -151,14 +151,18 @@ class AgentRun:
     gate: SteerGate | None = None
     # The model calls this turn had made when its process stopped (the answers it stored, for a
     # run that resumes it): they count toward the budget, so that no number of restarts lets a
-    # runaway turn make more calls than one run may.
-    calls_made: int = attrs.field(default=0, validator=attrs.validators.ge(0), kw_only=True)
+    # runaway turn make more calls than one run may. None: the model's messages after the turn's
+    # question, the last user message that is no steer (calls_made_in).
+    calls_made: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)), kw_only=True)
     _box: SteerBox = attrs.field(init=False, factory=SteerBox)
     _unapplied: list[str] = attrs.field(init=False, factory=list)  # see unapplied_steers
-    _calls: int = attrs.field(init=False, default=attrs.Factory(lambda self: self.calls_made, takes_self=True))
+    _calls: int = attrs.field(init=False, default=0)  # set once the messages are checked: __attrs_post_init__
     _usage: Usage | None = attrs.field(init=False, default=None)
     _started: bool = attrs.field(init=False, default=False)
     _saved: int = attrs.field(init=False, default=-1)  # how many messages the last save stored
+
+    def __attrs_post_init__(self) -> None:
+        self._calls = calls_made_in(self.messages) if self.calls_made is None else self.calls_made
 
     def steer(self, text: str) -> None:
         """Hand the run a steer for its next model request. Raises RunFinished once the run has
@@ -435,6 +439,18 @@ class AgentRun:
             result = _fitted(Message(role="tool", text=outcome.text, tool_call_id=call.id, name=call.name), self._max_message_bytes)
             self.messages.append(result)
             self.on_event(ToolResult(call.id, call.name, result.text, outcome.is_error))
+
+
+def calls_made_in(messages: Sequence[Message]) -> int:
+    """The model calls the turn a transcript ends in has made: its assistant messages (each an
+    answer, or part of one a call was cut short in) after its question, the last user message
+    that is not a steer."""
+    calls = 0
+    for message in reversed(messages):
+        if message.role == "user" and not is_steer(message):
+            break
+        calls += message.role == "assistant"
+    return calls
 
 
 def answered(messages: Sequence[Message]) -> bool:

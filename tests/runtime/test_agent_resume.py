@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import trio
-from fake_model import FakeModel, Reply
+from fake_model import Call, FakeModel, Reply
 
 from persistence.session import Session
 from persistence.sessions import open_session_store
-from persistence.transcript import Message
-from runtime.agent import AgentSpec, SaveFailed
-from tests.runtime.agent_support import DEADLINE_S, QUESTION, question, run_turn, stored_messages
+from persistence.transcript import Message, ToolCall
+from runtime.agent import AgentSpec, BudgetExhausted, SaveFailed
+from runtime.agent.steers import steer_message
+from tests.runtime.agent_support import DEADLINE_S, QUESTION, lookup_tool, question, run_turn, stored_messages
 
 SESSION = "incident-9"
 
@@ -34,7 +35,7 @@ async def test_resuming_a_turn_whose_answer_is_stored_returns_that_answer_withou
         stored = await stored_messages(path, SESSION)
     assert len(fake_model.bodies) == 1  # the model was not asked the answered question again
     assert resumed.output == first.output == "The lease expired."
-    assert (resumed.model_calls, resumed.usage) == (0, None)
+    assert (resumed.model_calls, resumed.usage) == (1, None)  # the turn's one call, made before; none now
     assert stored == list(resumed.messages) == [Message(role="user", text=QUESTION), Message(role="assistant", text="The lease expired.")]
 
 
@@ -53,4 +54,31 @@ async def test_a_turn_given_only_its_new_message_says_the_transcript_must_extend
     assert "does not extend the one stored (the transcript has 1 message but 2 are stored)" in said
     assert "Session.messages()" in said
     assert "storage is back" not in said and "messageId" not in said  # nothing failed but the caller's transcript
+    assert len(fake_model.bodies) == 1
+
+
+async def test_a_resumed_turn_counts_the_model_calls_its_stored_answers_made_toward_its_budget(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # A turn that died after two model calls (each answer a tool call), a steer taken between
+    # them: resumed with a budget of three, it may make one more call, not three.
+    asked = [ToolCall(f"call{n:05d}", "lookup", '{"service": "vault"}') for n in range(2)]
+    stored = [
+        Message(role="user", text="An earlier question."),
+        Message(role="assistant", text="An earlier answer."),
+        *question(),
+        Message(role="assistant", tool_calls=[asked[0]]),
+        Message(role="tool", text="vault: ok", tool_call_id=asked[0].id, name="lookup"),
+        steer_message("Look again."),
+        Message(role="assistant", tool_calls=[asked[1]]),
+        Message(role="tool", text="vault: ok", tool_call_id=asked[1].id, name="lookup"),
+    ]
+    fake_model.default = Reply(tool_calls=[Call("lookup", '{"service": "vault"}')])
+    spec = AgentSpec(tools=[lookup_tool()], max_model_calls=3)
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db") as store:
+            session = Session.open(SESSION, store)
+            await session.save(stored)
+            with pytest.raises(BudgetExhausted):
+                await run_turn(fake_model, spec, await session.messages(), session=session)
     assert len(fake_model.bodies) == 1

@@ -51,7 +51,7 @@ async def test_the_readmes_program_steers_asks_and_resumes_as_it_says(nursery: t
     assert lines[0] == "[steered: In French, please.]"
     assert re.fullmatch(r"\[clock: \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00\]", lines[1])
     assert lines[2:] == ["Il est midi.", "'Il est midi.' after 2 model calls"]
-    assert resumed == "\n'Il est midi.' after 0 model calls\n"  # the answer was stored: not asked again
+    assert resumed == "\n'Il est midi.' after 2 model calls\n"  # the turn's, made before: the model is not asked again
     assert len(fake.bodies) == 2
     sent = fake.bodies[0]["messages"]
     assert sent[0] == {"role": "system", "content": "Answer briefly."}
