@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 ROLES = ("system", "user", "assistant", "tool")
+REASONING_CONTENT = "reasoning_content"  # the field a message's reasoning came in, unless it names others
 # The stored form's encoder, made once: json.dumps with options makes a new one for every call,
 # and every save encodes each message it appends.
 _STORED_FORM = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -54,9 +55,12 @@ class Message:
     cancelled: what it had said so far, kept rather than lost. ``turn_id`` names the turn a
     user message opened (the runner uses the A2A task's id), so that a turn resumed after a
     crash finds where it began; it is stored, never sent to the model. ``reasoning`` is what
-    the model server gave as ``reasoning_content`` with an assistant message's tool calls: it
-    goes back with them (DeepSeek's thinking mode and Kimi refuse a conversation whose tool
-    calls come back without it).
+    the model server gave as its reasoning with an assistant message's tool calls, in the fields
+    ``reasoning_as`` names (``reasoning_content``, ``reasoning``, or both, space-separated), and
+    ``reasoning_details`` what it gave as OpenRouter's ``reasoning_details`` (a JSON array): they
+    go back with the calls, as they came (DeepSeek's thinking mode and Kimi refuse a conversation
+    whose tool calls come back without their ``reasoning_content``, and OpenRouter's Anthropic and
+    Gemini 3 models one whose calls come back without their ``reasoning_details``).
     """
 
     role: str = attrs.field(validator=attrs.validators.in_(ROLES))
@@ -67,6 +71,8 @@ class Message:
     partial: bool = False
     turn_id: str = ""
     reasoning: str = ""
+    reasoning_as: str = REASONING_CONTENT
+    reasoning_details: str = ""
 
     def to_json(self) -> str:
         """The stored form: empty fields are left out, so the shape stays small and stable."""
@@ -85,6 +91,10 @@ class Message:
             data["turn_id"] = self.turn_id
         if self.reasoning:
             data["reasoning"] = self.reasoning
+            if self.reasoning_as != REASONING_CONTENT:
+                data["reasoning_as"] = self.reasoning_as
+        if self.reasoning_details:
+            data["reasoning_details"] = self.reasoning_details
         return _STORED_FORM.encode(data)
 
     def stored_bytes(self) -> int:
@@ -94,9 +104,10 @@ class Message:
     def oversize(self, max_bytes: int) -> int | None:
         """The stored size when it is over ``max_bytes``, else None. Cheap for a message far under
         it: as JSON in UTF-8 a character takes at most 6 bytes (an escape such as ``\\u001f``)."""
-        chars = len(self.text) + len(self.tool_call_id) + len(self.name) + len(self.turn_id) + len(self.reasoning)
+        chars = len(self.text) + len(self.tool_call_id) + len(self.name) + len(self.turn_id)
+        chars += len(self.reasoning) + len(self.reasoning_as) + len(self.reasoning_details)
         chars += sum(len(call.id) + len(call.name) + len(call.arguments) + len(call.extra) + 24 for call in self.tool_calls)
-        if chars * 6 + 160 <= max_bytes:
+        if chars * 6 + 200 <= max_bytes:
             return None
         size = self.stored_bytes()
         return size if size > max_bytes else None
@@ -138,6 +149,8 @@ class Message:
                 partial=bool(data.get("partial", False)),
                 turn_id=data.get("turn_id", ""),
                 reasoning=data.get("reasoning", ""),
+                reasoning_as=data.get("reasoning_as", REASONING_CONTENT),
+                reasoning_details=data.get("reasoning_details", ""),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a message: {exc}") from exc

@@ -382,10 +382,11 @@ class AgentRun:
                     # and the model shown a reply it never gave.
                     raise AnswerEmpty()
                 answer = completion.message
-                if answer.reasoning and answer.oversize(limit) is not None:
+                if (answer.reasoning or answer.reasoning_details) and answer.oversize(limit) is not None:
                     # Its calls are what the run needs; a server that wants their reasoning
-                    # back refuses the next request without it, and says so.
-                    answer = attrs.evolve(answer, reasoning="")
+                    # back refuses the next request without it, and says so. All of it goes: a
+                    # reasoning text without its signed details is refused as forged.
+                    answer = attrs.evolve(answer, reasoning="", reasoning_details="")
                 if answer.oversize(limit) is not None:
                     raise AnswerTooLarge(limit)
         except BaseException:

@@ -17,8 +17,8 @@ from runtime.models.errors import ModelBadResponse, ModelReasoningRunaway, Model
 from runtime.models.reasoning import ThinkFilter
 from runtime.models.values import Completion, Delta, Finish, TextDelta, ToolCallDelta, Usage
 from runtime.models.wire import (
-    SAID_CHARS, arguments_text, carries_reasoning, content_text, distinct_ids, extra_text, inferred_finish_reason, optional_str, parse_usage,
-    reasoning_chars, tool_call, unicode_text,
+    REASONING_FIELDS, SAID_CHARS, ReasoningDetails, arguments_text, carries_reasoning, content_text, distinct_ids, extra_text,
+    inferred_finish_reason, kept_reasoning, optional_str, parse_usage, reasoning_chars, tool_call, unicode_text,
 )
 
 
@@ -58,7 +58,8 @@ class StreamAssembler:
     _think: ThinkFilter = attrs.field(init=False, factory=ThinkFilter)  # reasoning opening the text is not the answer
     _reasoned: bool = attrs.field(init=False, default=False)  # reasoning came apart from the text
     _reasoning_chars: int = attrs.field(init=False, default=0)  # of reasoning, in the answer so far
-    _reasoning_content: list[str] = attrs.field(init=False, factory=list)  # see wire.carries_reasoning
+    _reasoning: dict[str, list[str]] = attrs.field(init=False, factory=dict)  # by field: see wire.REASONING_FIELDS
+    _details: ReasoningDetails = attrs.field(init=False, factory=ReasoningDetails)
     _calls: dict[int, _CallParts] = attrs.field(init=False, factory=dict)
     _moved: dict[int, int] = attrs.field(init=False, factory=dict)  # a server's call index, to the call it now leads to
     _finish_reason: str = attrs.field(init=False, default="")
@@ -140,8 +141,13 @@ class StreamAssembler:
         calls = () if partial else self._tool_calls()
         # A surrogate held for its pair is the answer's, unless the text is still in its reasoning.
         text = "".join(self._text) + ("" if self._think.thinking else unicode_text(self._held))
-        reasoning = unicode_text("".join(self._reasoning_content)) if calls else ""
-        return Message(role="assistant", text=text, tool_calls=calls, partial=partial, reasoning=reasoning)
+        # Only with calls: see wire.REASONING_FIELDS.
+        reasoning, reasoning_as = kept_reasoning({name: "".join(given) for name, given in self._reasoning.items()} if calls else {})
+        details = self._details.text() if calls else ""
+        return Message(
+            role="assistant", text=text, tool_calls=calls, partial=partial,
+            reasoning=reasoning, reasoning_as=reasoning_as, reasoning_details=details,
+        )
 
     def _tool_calls(self) -> tuple[ToolCall, ...]:
         return distinct_ids(
@@ -207,8 +213,10 @@ class StreamAssembler:
         if not isinstance(delta, dict):
             raise ModelBadResponse(self.model, "a chunk's delta is not a JSON object")
         self._reasoned = self._reasoned or carries_reasoning(delta)
-        if isinstance(given := delta.get("reasoning_content"), str):
-            self._reasoning_content.append(given)
+        for name in REASONING_FIELDS:
+            if isinstance(given := delta.get(name), str):
+                self._reasoning.setdefault(name, []).append(given)
+        self._details.feed(delta.get("reasoning_details"))
         content = self._unicode(content_text(delta.get("content"), model=self.model, what="a chunk's content"))
         text = self._think.feed(content)
         # What its reasoning block held, or what came apart from the content: counted for the whole

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from persistence.transcript import Message, ToolCall
+from persistence.transcript import REASONING_CONTENT, Message, ToolCall
 from persistence.validate import lone_surrogate, strict_json
 from runtime.models.errors import ModelBadResponse
 from runtime.models.reasoning import answer_text
@@ -64,8 +64,12 @@ def message_to_wire(index: int, message: Message) -> dict[str, Any]:
         # The API's own shape for an assistant turn that only calls tools is content: null.
         wire["content"] = message.text or None
         wire["tool_calls"] = [tool_call_to_wire(call) for call in message.tool_calls]
-        if message.reasoning:  # only ever kept from a server that sent it so: see carries_reasoning
-            wire["reasoning_content"] = message.reasoning
+        if message.reasoning:  # only ever kept from a server that sent it so: see REASONING_FIELDS
+            names = [name for name in message.reasoning_as.split() if name in REASONING_FIELDS]  # none but these
+            wire.update(dict.fromkeys(names, message.reasoning))
+        details = _json_array(message.reasoning_details)
+        if details:
+            wire["reasoning_details"] = details
     return wire
 
 
@@ -99,6 +103,15 @@ def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:
     if extra:
         wire["extra_content"] = extra
     return wire
+
+
+def _json_array(text: str) -> list[Any] | None:
+    """``text`` read as a JSON array; None when it is not one (as a message stored without any)."""
+    try:
+        value = json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, list) else None
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
@@ -159,10 +172,13 @@ def parse_completion(data: object, *, model: str) -> Completion:
         raise ModelBadResponse(model, "the message's tool calls are not a list")
     calls = distinct_ids(tool_call_from_wire(index, call, model=model) for index, call in enumerate(wire_calls))
     reason = optional_str(choices[0].get("finish_reason"), model=model, what="the finish reason")
-    reasoning = message.get("reasoning_content")
-    reasoning = unicode_text(reasoning) if calls and isinstance(reasoning, str) else ""
+    reasoning, reasoning_as = kept_reasoning({name: message.get(name) for name in REASONING_FIELDS} if calls else {})
+    details = ReasoningDetails()
+    details.feed(message.get("reasoning_details") if calls else None)
     return Completion(
-        message=Message(role="assistant", text=text, tool_calls=calls, reasoning=reasoning),
+        message=Message(
+            role="assistant", text=text, tool_calls=calls, reasoning=reasoning, reasoning_as=reasoning_as, reasoning_details=details.text()
+        ),
         finish_reason=reason or inferred_finish_reason(calls),
         usage=parse_usage(data.get("usage"), model=model),
     )
@@ -292,29 +308,92 @@ def _count(value: object) -> int | None:
     return None
 
 
-# What a model reasons before it calls tools goes back with its calls, as the field it came in:
+# What a model reasons before it calls tools goes back with its calls, as the fields it came in:
 # ``reasoning_content``, which DeepSeek's thinking mode and Moonshot's Kimi refuse a conversation
-# without ("Missing `reasoning_content` field in the assistant message"). Only what a server sent
-# is sent back (OpenAI's and Groq's refuse a field they do not know), and only with tool calls:
-# an answer's reasoning is read back by none of them. Reasoning under other names is not kept.
+# without ("Missing `reasoning_content` field in the assistant message"); ``reasoning``, the name
+# vLLM gives it now (and reads back, handing the chat template the reasoning of the calls since the
+# last user message, as Qwen3's, MiniMax-M2's and gpt-oss's templates want), and Ollama's, Groq's
+# and OpenRouter's; and OpenRouter's ``reasoning_details``, which its Anthropic and Gemini 3 models
+# want back unmodified (their text is signed, or encrypted). Only what a server sent is sent back
+# (OpenAI's refuses a field it does not know, Groq's ``reasoning`` for a model that does not reason,
+# Anthropic's a reasoning text without its signed details), and only with tool calls: an answer's
+# reasoning is read back by none of them.
+REASONING_FIELDS = (REASONING_CONTENT, "reasoning")
+_DETAIL_PIECES = ("text", "summary", "data")  # what a reasoning detail streamed in pieces spreads over them
+
+
+def kept_reasoning(fields: dict[str, object]) -> tuple[str, str]:
+    """The reasoning given in ``fields`` (a message's REASONING_FIELDS, or their streamed pieces
+    joined), and the names it came under, space-separated. A server that keeps an older name
+    beside the newer sends the same text in both: the first is taken."""
+    names = [name for name in REASONING_FIELDS if isinstance(fields.get(name), str) and fields[name]]
+    if not names:
+        return "", REASONING_CONTENT
+    return unicode_text(str(fields[names[0]])), " ".join(names)
+
+
+@attrs.define
+class ReasoningDetails:
+    """OpenRouter's ``reasoning_details`` (typed objects: ``reasoning.text`` with its
+    ``signature``, ``reasoning.summary``, ``reasoning.encrypted``), put together from the pieces a
+    stream gives them in: a piece of the detail of the same type and ``index`` adds its text
+    (summary, data) to that detail's, and gives it the other fields it has (the signature comes
+    last); one without an index is a detail of its own. A body's details come whole."""
+
+    _details: list[dict[str, Any]] = attrs.field(factory=list)
+    _at: dict[tuple[str, int], dict[str, Any]] = attrs.field(factory=dict)
+
+    def feed(self, details: object) -> None:
+        for detail in details if isinstance(details, list) else []:
+            if not isinstance(detail, dict):
+                continue
+            index = detail.get("index")
+            key = (str(detail.get("type")), index) if isinstance(index, int) and not isinstance(index, bool) else None
+            kept = self._at.get(key) if key is not None else None
+            if kept is None:
+                self._details.append(kept := dict(detail))
+                if key is not None:
+                    self._at[key] = kept
+                continue
+            for name, value in detail.items():
+                if name in _DETAIL_PIECES and isinstance(value, str) and isinstance(kept.get(name), str):
+                    kept[name] += value
+                elif value is not None:
+                    kept[name] = value
+
+    def text(self) -> str:
+        """The details as JSON text, to be stored and sent back; "" when there are none."""
+        if not self._details:
+            return ""
+        return unicode_text(json.dumps(self._details, ensure_ascii=False, separators=(",", ":")))
+
+
+def details_chars(details: object) -> int:
+    """How many characters of reasoning a message's (or a chunk's) ``reasoning_details`` carry."""
+    details = details if isinstance(details, list) else []
+    pieces = (detail.get(name) for detail in details if isinstance(detail, dict) for name in _DETAIL_PIECES)
+    return sum(len(piece) for piece in pieces if isinstance(piece, str))
 
 
 def carries_reasoning(message: dict[str, Any]) -> bool:
     """Whether a message (or a chunk's delta) carries reasoning apart from its answer: in
-    ``reasoning_content`` (vLLM, llama.cpp, DeepSeek), ``reasoning`` (Ollama, newer vLLM) or, in
+    ``reasoning_content`` (vLLM, llama.cpp, DeepSeek), ``reasoning`` (Ollama, newer vLLM),
+    ``reasoning_details`` (OpenRouter) or, in
     content given as typed parts, "thinking" parts (Mistral). None of it is the answer."""
     content = message.get("content")
     parts = content if isinstance(content, list) else []
     thinking = any(isinstance(part, dict) and part.get("type") == "thinking" for part in parts)
-    return thinking or bool(message.get("reasoning_content") or message.get("reasoning"))
+    return thinking or bool(message.get("reasoning_content") or message.get("reasoning") or message.get("reasoning_details"))
 
 
 def reasoning_chars(message: dict[str, Any]) -> int:
     """How many characters of reasoning apart from its answer a message (or a chunk's delta)
     carries, wherever carries_reasoning finds it. A server that sends both ``reasoning_content``
-    and ``reasoning`` (an older name kept beside the newer) sends the same text twice: it counts once."""
+    and ``reasoning`` (an older name kept beside the newer), or OpenRouter's ``reasoning_details``
+    beside its ``reasoning``, sends the same text twice: it counts once."""
     fields = (message.get("reasoning_content"), message.get("reasoning"))
     count = max((len(text) for text in fields if isinstance(text, str)), default=0)
+    count = max(count, details_chars(message.get("reasoning_details")))  # OpenRouter's, beside its ``reasoning``
     content = message.get("content")
     for part in content if isinstance(content, list) else []:
         if isinstance(part, dict) and part.get("type") == "thinking":

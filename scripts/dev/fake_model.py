@@ -115,7 +115,8 @@ body ends after ``error_event``, with no ``[DONE]`` (Ollama: see OLLAMA_ERROR). 
     reasoning: str = ""
     reasoning_after: str = ""
     # vLLM's, llama.cpp's and DeepSeek's; Ollama's is "reasoning". Several, space-separated, each
-    # carry the same text (as servers do that keep an older name beside the new one).
+    # carry the same text (as servers do that keep an older name beside the new one);
+    # "reasoning_details" carries it as OpenRouter does: see reasoning_details.
     reasoning_field: str = "reasoning_content"
     content_parts: bool = False
     same_call_index: bool = False
@@ -196,7 +197,9 @@ class FakeModel:
     # extra_content (its thought signature) comes back without it.
     wants_extra_content: bool = False
     # Refuse, as DeepSeek's thinking mode and Kimi do, a conversation in which an assistant message
-    # whose tool calls this server gave with reasoning_content comes back without that reasoning.
+    # whose tool calls this server gave with reasoning_content comes back without that reasoning
+    # (and, as OpenRouter's Anthropic and Gemini 3 models do, without its reasoning_details
+    # unmodified, or without its reasoning as the field it came in).
     wants_reasoning_back: bool = False
     # When set, each chat request is answered by what this makes of its body, before the script.
     respond: Callable[[dict[str, Any]], ScriptItem] | None = None
@@ -214,7 +217,8 @@ class FakeModel:
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _chats: int = attrs.field(init=False, default=0)  # chat requests so far, which number the answers' ids
     _extra_given: dict[str, Any] = attrs.field(init=False, factory=dict)  # a call's id, to the extra_content it went with
-    _reasoning_given: dict[str, str] = attrs.field(init=False, factory=dict)  # a call's id, to the reasoning_content it came after
+    # A call's id, to the fields (and their values) of the reasoning it came after.
+    _reasoning_given: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
 
     @property
     def bodies(self) -> list[Any]:
@@ -299,7 +303,7 @@ class FakeModel:
             return
         unreasoned = self._unreasoned(request["messages"]) if self.wants_reasoning_back else None
         if unreasoned is not None:
-            message = f"Missing `reasoning_content` field in the assistant message at message index {unreasoned}"
+            message = f"Missing `{unreasoned[1]}` field in the assistant message at message index {unreasoned[0]}"
             await _send_json(send, 400, _error(message, "invalid_request_error"))
             return
         unsigned = self._unsigned(request["messages"]) if self.wants_extra_content else None
@@ -322,15 +326,16 @@ class FakeModel:
         finally:
             self.answering -= 1
 
-    def _unreasoned(self, messages: list[Any]) -> int | None:
+    def _unreasoned(self, messages: list[Any]) -> tuple[int, str] | None:
         """The index of the first assistant message of ``messages`` with a call this server gave
-        after reasoning, that comes back without that reasoning as its reasoning_content."""
+        after reasoning, that comes back without that reasoning as it was given, and the field."""
         for index, message in enumerate(messages):
             calls = (message.get("tool_calls") or []) if isinstance(message, dict) else []
             for call in calls:
                 given = self._reasoning_given.get(str(call.get("id"))) if isinstance(call, dict) else None
-                if given is not None and message.get("reasoning_content") != given:
-                    return index
+                for field, value in (given or {}).items():
+                    if message.get(field) != value:
+                        return index, field
         return None
 
     def _unsigned(self, messages: list[Any]) -> str | None:
@@ -370,8 +375,8 @@ class FakeModel:
         for index, call in enumerate(item.tool_calls):
             if call.extra_content:
                 self._extra_given[_call_id(call, number, index)] = json.loads(call.extra_content)
-            if item.reasoning and "reasoning_content" in item.reasoning_field.split():
-                self._reasoning_given[_call_id(call, number, index)] = item.reasoning
+            if item.reasoning:
+                self._reasoning_given[_call_id(call, number, index)] = _reasoning_fields(item, item.reasoning)
         if request.get("stream") is True and not item.ignore_stream:
             stream_options = request.get("stream_options") or {}
             usage = isinstance(stream_options, dict) and stream_options.get("include_usage") is True
@@ -418,7 +423,10 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
             if reply.content_parts:
                 yield chunk({"content": [{"type": "thinking", "thinking": [{"type": "text", "text": piece}]}]})
             else:
-                yield chunk({"content": "", **dict.fromkeys(reply.reasoning_field.split(), piece)})
+                yield chunk({"content": "", **_reasoning_fields(reply, piece, streamed=True)})
+        if "reasoning_details" in reply.reasoning_field.split() and text:
+            # The text's signature, and the encrypted part after it, come once the text is done.
+            yield from (chunk({"reasoning_details": [detail]}) for detail in _reasoning_details("", ended=True))
 
     yield from reasoning(reply.reasoning)
     for piece in _pieces(reply.text, reply.chunk_chars):
@@ -441,6 +449,31 @@ def _chunks(reply: Reply, request: dict[str, Any], number: int, *, usage: bool) 
     yield "[DONE]"
 
 
+def _reasoning_fields(reply: Reply, text: str, *, streamed: bool = False) -> dict[str, Any]:
+    """The fields of a message (or of one piece of a streamed one) that carry ``text`` as its
+    reasoning, each as ``reply.reasoning_field`` names them."""
+    fields: dict[str, Any] = {}
+    for name in reply.reasoning_field.split():
+        fields[name] = _reasoning_details(text, ended=not streamed) if name == "reasoning_details" else text
+    return fields
+
+
+REASONING_SIGNATURE = "EqQBCkgIAxABGAIiQLbS3Nz0"  # as an Anthropic model's thinking block is signed
+REASONING_ENCRYPTED = "gAAAAABpLm4xZWRhY3RlZF90aGlua2luZw=="  # a redacted thinking block, as OpenRouter passes it on
+
+
+def _reasoning_details(text: str, *, ended: bool) -> list[dict[str, Any]]:
+    """Reasoning as OpenRouter gives an Anthropic model's: a ``reasoning.text`` detail (index 0)
+    and, once it is done, its signature and a ``reasoning.encrypted`` detail (index 1). Streamed,
+    the text comes in pieces of detail 0 with no signature, then a piece of it with the signature
+    alone (``ended`` and no text); in one body, the details whole."""
+    head = {"format": "anthropic-claude-v1", "index": 0}
+    encrypted = {"type": "reasoning.encrypted", "data": REASONING_ENCRYPTED, "format": "anthropic-claude-v1", "index": 1}
+    if not ended:
+        return [{"type": "reasoning.text", "text": text, **head}]
+    return [{"type": "reasoning.text", "text": text, "signature": REASONING_SIGNATURE, **head}, encrypted]
+
+
 def _completion(reply: Reply, request: dict[str, Any], number: int) -> dict[str, Any]:
     content: str | list[dict[str, Any]] = reply.text
     if reply.content_parts:
@@ -448,7 +481,7 @@ def _completion(reply: Reply, request: dict[str, Any], number: int) -> dict[str,
         content = [*thinking, {"type": "text", "text": reply.text}]
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if reply.tool_calls else "")}
     if reply.reasoning and not reply.content_parts:
-        message.update(dict.fromkeys(reply.reasoning_field.split(), reply.reasoning))
+        message.update(_reasoning_fields(reply, reply.reasoning))
     if reply.tool_calls:
         message["tool_calls"] = [
             {

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_model import Call, FakeModel, Reply
+from fake_model import REASONING_ENCRYPTED, REASONING_SIGNATURE, Call, FakeModel, Reply
 
 from persistence.transcript import ToolCall
 from runtime.agent import AgentSpec
 from runtime.models.client import MAX_REASONING_CHARS
 from runtime.models.reasoning import ThinkFilter
-from runtime.models.wire import distinct_ids
+from runtime.models.wire import ReasoningDetails, distinct_ids
 from tests.runtime.agent_support import lookup_tool, sent_messages, stored_messages
 from tests.runtime.served import Served, message, serve_keel
 
@@ -283,6 +283,63 @@ async def test_the_reasoning_before_a_models_tool_calls_goes_back_with_them_afte
     assert all("reasoning" not in m for m in sent)
 
 
+@pytest.mark.parametrize("ignore_stream", [False, True], ids=["streamed", "one-body"])
+@pytest.mark.parametrize(
+    "fields",
+    ["reasoning", "reasoning reasoning_details", "reasoning reasoning_content"],
+    ids=["reasoning", "openrouter", "both-names"],
+)
+async def test_reasoning_under_other_names_goes_back_with_the_calls_as_it_came_after_a_restart_too(
+    fake_model: FakeModel, tmp_path: Path, ignore_stream: bool, fields: str
+) -> None:
+    # vLLM (which reads only ``reasoning`` from an assistant message) and Ollama hand the reasoning
+    # of the calls since the last user message to the chat template (Qwen3, MiniMax-M2, gpt-oss);
+    # OpenRouter's Anthropic and Gemini 3 models want the reasoning_details of a message with tool
+    # calls back unmodified, their pieces put together as streamed (by type and index).
+    fake_model.wants_reasoning_back = True
+    thought = "The user asks about the lease; look the vault up."
+    fake_model.script = [
+        Reply(reasoning=thought, reasoning_field=fields, tool_calls=[Call("lookup", VAULT)], ignore_stream=ignore_stream),
+        Reply(reasoning="Answer plainly.", reasoning_field=fields, text="The lease expired.", ignore_stream=ignore_stream),
+        Reply(text="Still expired."),
+    ]
+    agent = AgentSpec(tools=[lookup_tool()])
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
+        task = await keel.send("Why did the lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:  # read back from the store
+        again = await keel.send("And now?", contextId=task["contextId"])
+    assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
+    [asked, answered] = [m for m in sent_messages(fake_model.bodies[2]) if m["role"] == "assistant"]
+    expected: dict[str, Any] = {"reasoning": thought}
+    if "reasoning_content" in fields:
+        expected["reasoning_content"] = thought
+    if "reasoning_details" in fields:
+        head = {"format": "anthropic-claude-v1"}
+        signed = {"type": "reasoning.text", "text": thought, "signature": REASONING_SIGNATURE, "index": 0, **head}
+        encrypted = {"type": "reasoning.encrypted", "data": REASONING_ENCRYPTED, "index": 1, **head}
+        expected["reasoning_details"] = [signed, encrypted]
+    assert {key: asked[key] for key in asked if key.startswith("reasoning")} == expected
+    assert not [key for key in answered if key.startswith("reasoning")]  # an answer's reasoning stays
+
+
+async def test_reasoning_details_too_large_to_keep_with_their_calls_are_let_go_with_the_reasoning(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    thought = "x" * (MAX_REASONING_CHARS // 2)  # given twice (reasoning, reasoning_details): with the call, over a message's
+    fields = "reasoning reasoning_details"
+    reply = Reply(reasoning=thought, reasoning_field=fields, tool_calls=[Call("lookup", VAULT)], chunk_chars=1 << 16)
+    fake_model.script = [reply, Reply(text="The lease expired.")]
+    calls: list[dict[str, Any]] = []
+    async with serve_keel(tmp_path / "state", fake_model, agent=AgentSpec(tools=[lookup_tool(calls)])) as keel:
+        task = await keel.send("Why did the lease expire?")
+    assert (task["status"]["state"], calls) == ("TASK_STATE_COMPLETED", [{"service": "vault"}])
+    stored = await stored_messages(tmp_path / "state" / "runtime.db", task["contextId"])
+    [asked] = [m for m in stored if m.tool_calls]
+    assert (asked.reasoning, asked.reasoning_details) == ("", "")
+    assert not [key for key in sent_messages(fake_model.bodies[1])[2] if key.startswith("reasoning")]
+
+
 async def test_reasoning_too_large_to_keep_with_its_calls_is_let_go_and_the_calls_run(
     fake_model: FakeModel, tmp_path: Path
 ) -> None:
@@ -296,6 +353,19 @@ async def test_reasoning_too_large_to_keep_with_its_calls_is_let_go_and_the_call
     [asked] = [m for m in stored if m.tool_calls]
     assert asked.reasoning == ""
     assert "reasoning_content" not in sent_messages(fake_model.bodies[1])[2]
+
+
+def test_reasoning_details_are_put_together_by_type_and_index() -> None:
+    details = ReasoningDetails()
+    details.feed([{"type": "reasoning.summary", "summary": "Look", "index": 0}, {"type": "reasoning.text", "text": "Fi", "signature": None, "index": 0}])
+    details.feed([{"type": "reasoning.text", "text": "rst", "index": 0}, {"type": "reasoning.summary", "summary": " up.", "index": 0}])
+    details.feed([{"type": "reasoning.text", "text": "", "signature": "sig", "index": 0}, "not a detail", {"type": "reasoning.encrypted", "data": "e"}])
+    assert json.loads(details.text()) == [
+        {"type": "reasoning.summary", "summary": "Look up.", "index": 0},
+        {"type": "reasoning.text", "text": "First", "signature": "sig", "index": 0},
+        {"type": "reasoning.encrypted", "data": "e"},
+    ]
+    assert ReasoningDetails().text() == ""
 
 
 def test_ids_made_distinct_are_distinct_from_every_id_the_answer_gives() -> None:
