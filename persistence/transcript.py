@@ -91,8 +91,8 @@ class Message:
             data["turn_id"] = self.turn_id
         if self.reasoning:
             data["reasoning"] = self.reasoning
-            if self.reasoning_as != REASONING_CONTENT:
-                data["reasoning_as"] = self.reasoning_as
+        if self.reasoning_as != REASONING_CONTENT:  # even with no reasoning: a message reads back equal
+            data["reasoning_as"] = self.reasoning_as
         if self.reasoning_details:
             data["reasoning_details"] = self.reasoning_details
         return _STORED_FORM.encode(data)

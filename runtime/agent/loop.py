@@ -21,7 +21,7 @@ import trio
 
 from persistence.errors import TranscriptConflict, is_damage, told_before
 from persistence.session import Session
-from persistence.transcript import Message, ToolCall
+from persistence.transcript import REASONING_CONTENT, Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
 from runtime.agent.errors import (
     AnswerEmpty, AnswerFailed, AnswerFiltered, AnswerTooLarge, AnswerTruncated, BudgetExhausted, MaxStepsReached, SaveFailed,
@@ -386,7 +386,7 @@ class AgentRun:
                     # Its calls are what the run needs; a server that wants their reasoning
                     # back refuses the next request without it, and says so. All of it goes: a
                     # reasoning text without its signed details is refused as forged.
-                    answer = attrs.evolve(answer, reasoning="", reasoning_details="")
+                    answer = attrs.evolve(answer, reasoning="", reasoning_as=REASONING_CONTENT, reasoning_details="")
                 if answer.oversize(limit) is not None:
                     raise AnswerTooLarge(limit)
         except BaseException:

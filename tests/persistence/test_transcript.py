@@ -43,3 +43,28 @@ def test_a_message_that_cannot_fit_even_without_text_is_refused_saying_so() -> N
 def test_a_message_nested_deeper_than_python_reads_is_not_a_message_rather_than_a_crash() -> None:
     with pytest.raises(ValueError, match="nested deeper than can be read"):
         Message.from_json('{"role":"user","text":' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+_texts = st.text(max_size=40)
+_calls = st.lists(st.builds(ToolCall, id=_texts, name=_texts, arguments=_texts, extra=_texts), max_size=2).map(tuple)
+_messages = st.builds(
+    Message,
+    role=st.sampled_from(["user", "assistant", "tool"]),
+    text=_texts,
+    tool_calls=_calls,
+    tool_call_id=_texts,
+    name=_texts,
+    partial=st.booleans(),
+    turn_id=_texts,
+    reasoning=_texts,
+    reasoning_as=st.sampled_from(["reasoning_content", "reasoning", "reasoning_content reasoning", ""]),
+    reasoning_details=_texts,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(message=_messages, limit=st.integers(min_value=0, max_value=2000))
+def test_every_message_reads_back_equal_and_its_stored_size_is_bounded_by_oversize(message: Message, limit: int) -> None:
+    assert Message.from_json(message.to_json()) == message
+    size = message.stored_bytes()
+    assert message.oversize(limit) == (size if size > limit else None)

@@ -82,3 +82,27 @@ async def test_a_resumed_turn_counts_the_model_calls_its_stored_answers_made_tow
             with pytest.raises(BudgetExhausted):
                 await run_turn(fake_model, spec, await session.messages(), session=session)
     assert len(fake_model.bodies) == 1
+
+
+async def test_a_conversation_whose_calls_reasoning_was_let_go_goes_on_from_its_transcript_read_back(
+    fake_model: FakeModel, tmp_path: Path
+) -> None:
+    # Reasoning given as ``reasoning`` (Ollama, vLLM), too large to keep with its call: the call is
+    # kept without it, and reads back as the message the run holds, so that the transcript the run
+    # returned can be extended in a store that reads it back (another process's).
+    thought = "x" * 4096
+    fake_model.script = [
+        Reply(reasoning=thought, reasoning_field="reasoning", tool_calls=[Call("lookup", '{"service": "vault"}')]),
+        Reply(text="The lease expired."),
+        Reply(text="Still expired."),
+    ]
+    spec = AgentSpec(tools=[lookup_tool()])
+    with trio.fail_after(DEADLINE_S):
+        async with open_session_store(tmp_path / "runtime.db", max_event_bytes=2048) as store:
+            first = await run_turn(fake_model, spec, question(), session=Session.open(SESSION, store))
+        async with open_session_store(tmp_path / "runtime.db", max_event_bytes=2048) as store:
+            later = await run_turn(
+                fake_model, spec, [*first.messages, Message(role="user", text="And now?")], session=Session.open(SESSION, store)
+            )
+    assert (first.output, later.output) == ("The lease expired.", "Still expired.")
+    assert await stored_messages(tmp_path / "runtime.db", SESSION) == list(later.messages)
