@@ -174,7 +174,7 @@ def parse_completion(data: object, *, model: str) -> Completion:
     reason = optional_str(choices[0].get("finish_reason"), model=model, what="the finish reason")
     reasoning, reasoning_as = kept_reasoning({name: message.get(name) for name in REASONING_FIELDS} if calls else {})
     details = ReasoningDetails()
-    details.feed(message.get("reasoning_details") if calls else None)
+    details.feed(message.get("reasoning_details") if calls else None, whole=True)
     return Completion(
         message=Message(
             role="assistant", text=text, tool_calls=calls, reasoning=reasoning, reasoning_as=reasoning_as, reasoning_details=details.text()
@@ -343,12 +343,14 @@ class ReasoningDetails:
     _details: list[dict[str, Any]] = attrs.field(factory=list)
     _at: dict[tuple[str, int], dict[str, Any]] = attrs.field(factory=dict)
 
-    def feed(self, details: object) -> None:
+    def feed(self, details: object, *, whole: bool = False) -> None:
+        """Take a chunk's details (pieces), or with ``whole`` a body's (each one as it came)."""
         for detail in details if isinstance(details, list) else []:
             if not isinstance(detail, dict):
                 continue
-            index = detail.get("index")
-            key = (str(detail.get("type")), index) if isinstance(index, int) and not isinstance(index, bool) else None
+            index, key = detail.get("index"), None
+            if not whole and isinstance(index, int) and not isinstance(index, bool):
+                key = (str(detail.get("type")), index)
             kept = self._at.get(key) if key is not None else None
             if kept is None:
                 self._details.append(kept := dict(detail))

@@ -15,7 +15,7 @@ from persistence.transcript import ToolCall
 from runtime.agent import AgentSpec
 from runtime.models.client import MAX_REASONING_CHARS
 from runtime.models.reasoning import ThinkFilter
-from runtime.models.wire import ReasoningDetails, distinct_ids
+from runtime.models.wire import ReasoningDetails, distinct_ids, parse_completion
 from tests.runtime.agent_support import lookup_tool, sent_messages, stored_messages
 from tests.runtime.served import Served, message, serve_keel
 
@@ -26,6 +26,18 @@ THINKING = "<think>\nThe user asks about the lease. It expired, 25h after its re
 MAGISTRAL = "[THINK]The user asks about the lease. It expired, 25h after its renewal.[/THINK]\n\n"
 ANSWER = "The lease expired."
 VAULT, DNS = '{"service": "vault"}', '{"service": "dns"}'
+
+
+async def two_turns_across_a_restart(fake_model: FakeModel, tmp_path: Path) -> None:
+    """A turn that calls the lookup tool, then, on a server started again on the same state (so
+    that what goes to the model is read back from the store), the next turn of the conversation."""
+    agent = AgentSpec(tools=[lookup_tool()])
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
+        task = await keel.send("Why did the lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
+        again = await keel.send("And now?", contextId=task["contextId"])
+    assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
 
 
 async def streamed(keel: Served, text: str, **ids: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -246,13 +258,7 @@ async def test_what_a_server_attaches_to_a_call_goes_back_with_it_after_a_restar
         Reply(text="The lease expired."),
         Reply(text="Still expired."),
     ]
-    agent = AgentSpec(tools=[lookup_tool()])
-    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
-        task = await keel.send("Why did the lease expire?")
-    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
-    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:  # read back from the store
-        again = await keel.send("And now?", contextId=task["contextId"])
-    assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
+    await two_turns_across_a_restart(fake_model, tmp_path)
     [call] = sent_messages(fake_model.bodies[2])[1]["tool_calls"]
     assert call["extra_content"] == json.loads(signature)
 
@@ -271,13 +277,7 @@ async def test_the_reasoning_before_a_models_tool_calls_goes_back_with_them_afte
         Reply(reasoning="Answer plainly.", text="The lease expired.", ignore_stream=ignore_stream),
         Reply(text="Still expired."),
     ]
-    agent = AgentSpec(tools=[lookup_tool()])
-    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
-        task = await keel.send("Why did the lease expire?")
-    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
-    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:  # read back from the store
-        again = await keel.send("And now?", contextId=task["contextId"])
-    assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
+    await two_turns_across_a_restart(fake_model, tmp_path)
     sent = sent_messages(fake_model.bodies[2])
     assert [m.get("reasoning_content") for m in sent if m["role"] == "assistant"] == [thought, None]
     assert all("reasoning" not in m for m in sent)
@@ -303,13 +303,7 @@ async def test_reasoning_under_other_names_goes_back_with_the_calls_as_it_came_a
         Reply(reasoning="Answer plainly.", reasoning_field=fields, text="The lease expired.", ignore_stream=ignore_stream),
         Reply(text="Still expired."),
     ]
-    agent = AgentSpec(tools=[lookup_tool()])
-    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:
-        task = await keel.send("Why did the lease expire?")
-    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
-    async with serve_keel(tmp_path / "state", fake_model, agent=agent) as keel:  # read back from the store
-        again = await keel.send("And now?", contextId=task["contextId"])
-    assert again["status"]["state"] == "TASK_STATE_COMPLETED", again
+    await two_turns_across_a_restart(fake_model, tmp_path)
     [asked, answered] = [m for m in sent_messages(fake_model.bodies[2]) if m["role"] == "assistant"]
     expected: dict[str, Any] = {"reasoning": thought}
     if "reasoning_content" in fields:
@@ -366,6 +360,15 @@ def test_reasoning_details_are_put_together_by_type_and_index() -> None:
         {"type": "reasoning.encrypted", "data": "e"},
     ]
     assert ReasoningDetails().text() == ""
+
+
+def test_the_reasoning_details_of_one_body_are_kept_as_they_came() -> None:
+    # Whole, not in pieces: two details of one type and index are two, as the server gave them.
+    details = [{"type": "reasoning.encrypted", "data": "first", "index": 0}, {"type": "reasoning.encrypted", "data": "second", "index": 0}]
+    call = {"id": "call00000", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    body = {"choices": [{"message": {"role": "assistant", "tool_calls": [call], "reasoning_details": details}, "finish_reason": "tool_calls"}]}
+    message = parse_completion(body, model="m").message
+    assert json.loads(message.reasoning_details) == details
 
 
 def test_ids_made_distinct_are_distinct_from_every_id_the_answer_gives() -> None:
