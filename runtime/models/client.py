@@ -177,9 +177,7 @@ class ModelClient:
         chat takes. Asked once, not retried: any answer but a 2xx holding the model's entry (a
         404 from a server with no such route, say) leaves it absent."""
         url = self.config.url(f"models/{quote(name, safe=':@')}")
-        read_s = self.config.read_timeout_s
-        timeout = httpx.Timeout(connect=self.config.connect_timeout_s, read=read_s, write=read_s, pool=None)
-        request = self._http.build_request("GET", url, headers=self._headers("application/json"), timeout=timeout)
+        request = self._http.build_request("GET", url, headers=self._headers("application/json"), timeout=self._timeout())
         try:
             response = await self._http.send(request, stream=True)
         except httpx.RequestError as exc:  # the catalog was read a moment ago: the server's trouble is news
@@ -199,14 +197,7 @@ class ModelClient:
     ) -> httpx.Response:
         """Send with retries; returns a 2xx response whose body is unread. The caller closes it.
         ``waiting_for``: what a timeout says it waited for."""
-        url = self.config.url(path)
-        # No bound on the wait for one of the pool's connections: with max_connections calls
-        # already open (a slow local model holds each for its whole answer), a call waits its
-        # turn instead of failing. Cancelling the caller ends the wait.
-        timeout = httpx.Timeout(
-            connect=self.config.connect_timeout_s, read=self.config.read_timeout_s,
-            write=self.config.read_timeout_s, pool=None,
-        )
+        url, timeout = self.config.url(path), self._timeout()
         attempt = 0
         while True:
             attempt += 1
@@ -238,6 +229,13 @@ class ModelClient:
             )
         self._usage_refused = True
         return await self._open_stream(body)
+
+    def _timeout(self) -> httpx.Timeout:
+        """Every request's bounds. None on the wait for one of the pool's connections: with
+        max_connections calls already open (a slow local model holds each for its whole answer),
+        a call waits its turn instead of failing. Cancelling the caller ends the wait."""
+        read_s = self.config.read_timeout_s
+        return httpx.Timeout(connect=self.config.connect_timeout_s, read=read_s, write=read_s, pool=None)
 
     async def _wait_to_retry(self, failure: Failure, attempt: int) -> None:
         """Sleep before the next attempt, or raise the failure's error if there is none."""

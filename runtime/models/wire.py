@@ -67,8 +67,8 @@ def message_to_wire(index: int, message: Message) -> dict[str, Any]:
         if message.reasoning:  # only ever kept from a server that sent it so: see REASONING_FIELDS
             names = [name for name in message.reasoning_as.split() if name in REASONING_FIELDS]  # none but these
             wire.update(dict.fromkeys(names, message.reasoning))
-        details = _json_array(message.reasoning_details)
-        if details:
+        details = _stored_json(message.reasoning_details)
+        if isinstance(details, list) and details:
             wire["reasoning_details"] = details
     return wire
 
@@ -99,28 +99,19 @@ def joined_user_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:
     wire: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": wire_arguments(call.arguments)}}
-    extra = _json_object(call.extra)
-    if extra:
+    extra = _stored_json(call.extra)
+    if isinstance(extra, dict) and extra:
         wire["extra_content"] = extra
     return wire
 
 
-def _json_array(text: str) -> list[Any] | None:
-    """``text`` read as a JSON array; None when it is not one (as a message stored without any)."""
+def _stored_json(text: str) -> object:
+    """What a server gave, stored as JSON text (see extra_text, ReasoningDetails): the value, or
+    None when there is none (a call or message stored without any) or it does not read."""
     try:
-        value = json.loads(text) if text else None
+        return json.loads(text) if text else None
     except (ValueError, RecursionError):
         return None
-    return value if isinstance(value, list) else None
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    """``text`` read as a JSON object; None when it is not one (as a call stored without any)."""
-    try:
-        value = json.loads(text) if text else None
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def wire_arguments(arguments: str) -> str:

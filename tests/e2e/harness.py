@@ -47,6 +47,18 @@ class KeelProcess:
         with trio.fail_after(STARTUP_DEADLINE_S):
             return await self.process.wait()
 
+    async def read_output(self, url_found: trio.Event) -> None:
+        """Keep what the server writes in ``output`` until it ends, and where it serves in ``url``
+        once it says so: ``url_found`` is set then, or when its output ends without it."""
+        assert self.process.stdout is not None
+        async for chunk in self.process.stdout:
+            self.output.extend(chunk)
+            match = SERVING.search(self.output)
+            if match and not url_found.is_set():
+                self.url = match.group(1).decode()
+                url_found.set()
+        url_found.set()
+
 
 # A child started as from a terminal: the signals a shell may have left ignored for the tests
 # (SIGINT and SIGQUIT in a script's background job, SIGHUP under nohup) at their defaults again, so
@@ -87,23 +99,17 @@ async def started_keel(command: Sequence[str], *, cwd: Path | None = None) -> As
     try:
         async with trio.open_nursery() as nursery:
             url_found = trio.Event()
-
-            async def pump() -> None:
-                assert process.stdout is not None
-                async for chunk in process.stdout:
-                    keel.output.extend(chunk)
-                    match = SERVING.search(keel.output)
-                    if match and not url_found.is_set():
-                        keel.url = match.group(1).decode()
-                        url_found.set()
-
-            nursery.start_soon(pump)
+            nursery.start_soon(keel.read_output, url_found)
             with trio.fail_after(STARTUP_DEADLINE_S):
                 while not url_found.is_set():
                     if process.poll() is not None:
                         raise AssertionError(f"serve exited with {process.returncode}:\n{keel.output.decode()}")
                     with trio.move_on_after(0.05):
                         await url_found.wait()
+            if not keel.url:  # its output ended first
+                with trio.fail_after(STARTUP_DEADLINE_S):
+                    code = await process.wait()
+                raise AssertionError(f"serve exited with {code}:\n{keel.output.decode()}")
             yield keel
             nursery.cancel_scope.cancel()
     finally:

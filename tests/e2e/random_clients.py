@@ -27,7 +27,7 @@ from fake_model import Call, FakeModel, Reply, ScriptItem
 from protocol import SseParser
 from runtime.agent.steers import STEER_LABEL
 from runtime.models.transport import with_whole_body
-from tests.e2e.harness import SERVING, STARTUP_DEADLINE_S, KeelProcess, child_env, serve_command
+from tests.e2e.harness import STARTUP_DEADLINE_S, KeelProcess, child_env, serve_command
 
 MODEL_TIMEOUT_S = 2  # how long a hanging model holds a run before it fails
 SETTLE_DEADLINE_S = 60  # a bound for a slow machine; settling takes a few seconds
@@ -691,18 +691,7 @@ class Driver:
         process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
         keel = self.keel = KeelProcess(process)
         url_found = trio.Event()
-
-        async def pump() -> None:
-            assert process.stdout is not None
-            async for chunk in process.stdout:
-                keel.output.extend(chunk)
-                match = SERVING.search(keel.output)
-                if match and not url_found.is_set():
-                    keel.url = match.group(1).decode()
-                    url_found.set()
-            url_found.set()
-
-        self.nursery.start_soon(pump)
+        self.nursery.start_soon(keel.read_output, url_found)
         with trio.fail_after(STARTUP_DEADLINE_S):
             await url_found.wait()
         self.check(bool(keel.url), f"serve did not start: exited {process.poll()}")

@@ -317,11 +317,17 @@ async def test_reasoning_under_other_names_goes_back_with_the_calls_as_it_came_a
     assert not [key for key in answered if key.startswith("reasoning")]  # an answer's reasoning stays
 
 
-async def test_reasoning_details_too_large_to_keep_with_their_calls_are_let_go_with_the_reasoning(
-    fake_model: FakeModel, tmp_path: Path
+@pytest.mark.parametrize(
+    ("thought", "fields"),
+    [
+        ("x" * (MAX_REASONING_CHARS - 10), "reasoning_content"),  # under the bound on reasoning; with the call, over a message's
+        ("x" * (MAX_REASONING_CHARS // 2), "reasoning reasoning_details"),  # given twice: all of it goes, the details too
+    ],
+    ids=["reasoning_content", "reasoning-and-details"],
+)
+async def test_reasoning_too_large_to_keep_with_its_calls_is_let_go_and_the_calls_run(
+    fake_model: FakeModel, tmp_path: Path, thought: str, fields: str
 ) -> None:
-    thought = "x" * (MAX_REASONING_CHARS // 2)  # given twice (reasoning, reasoning_details): with the call, over a message's
-    fields = "reasoning reasoning_details"
     reply = Reply(reasoning=thought, reasoning_field=fields, tool_calls=[Call("lookup", VAULT)], chunk_chars=1 << 16)
     fake_model.script = [reply, Reply(text="The lease expired.")]
     calls: list[dict[str, Any]] = []
@@ -331,22 +337,8 @@ async def test_reasoning_details_too_large_to_keep_with_their_calls_are_let_go_w
     stored = await stored_messages(tmp_path / "state" / "runtime.db", task["contextId"])
     [asked] = [m for m in stored if m.tool_calls]
     assert (asked.reasoning, asked.reasoning_details) == ("", "")
-    assert not [key for key in sent_messages(fake_model.bodies[1])[2] if key.startswith("reasoning")]
-
-
-async def test_reasoning_too_large_to_keep_with_its_calls_is_let_go_and_the_calls_run(
-    fake_model: FakeModel, tmp_path: Path
-) -> None:
-    thought = "x" * (MAX_REASONING_CHARS - 10)  # under the bound on reasoning; with the call, over a message's
-    fake_model.script = [Reply(reasoning=thought, tool_calls=[Call("lookup", VAULT)], chunk_chars=1 << 16), Reply(text="The lease expired.")]
-    calls: list[dict[str, Any]] = []
-    async with serve_keel(tmp_path / "state", fake_model, agent=AgentSpec(tools=[lookup_tool(calls)])) as keel:
-        task = await keel.send("Why did the lease expire?")
-    assert (task["status"]["state"], calls) == ("TASK_STATE_COMPLETED", [{"service": "vault"}])
-    stored = await stored_messages(tmp_path / "state" / "runtime.db", task["contextId"])
-    [asked] = [m for m in stored if m.tool_calls]
-    assert asked.reasoning == ""
     assert "reasoning_content" not in sent_messages(fake_model.bodies[1])[2]
+    assert not [key for key in sent_messages(fake_model.bodies[1])[2] if key.startswith("reasoning")]
 
 
 def test_reasoning_details_are_put_together_by_type_and_index() -> None:
