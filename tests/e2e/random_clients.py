@@ -27,7 +27,7 @@ from fake_model import Call, FakeModel, Reply, ScriptItem
 from protocol import SseParser
 from runtime.agent.steers import STEER_LABEL
 from runtime.models.transport import with_whole_body
-from tests.e2e.harness import STARTUP_DEADLINE_S, KeelProcess, child_env, serve_command
+from tests.e2e.harness import STARTUP_DEADLINE_S, KeelProcess, child_env, serve_command, user_message
 
 MODEL_TIMEOUT_S = 2  # how long a hanging model holds a run before it fails
 SETTLE_DEADLINE_S = 60  # a bound for a slow machine; settling takes a few seconds
@@ -168,16 +168,8 @@ class Driver:
         return events
 
     def message(self, text: str, version: str, *, context_id: str | None = None, task_id: str | None = None) -> dict[str, Any]:
-        self.counter += 1
-        message: dict[str, Any] = {"messageId": f"m{self.seed}-{self.counter}", "role": "ROLE_USER" if version == "1.0" else "user"}
-        message["parts"] = [{"text": text}] if version == "1.0" else [{"kind": "text", "text": text}]
-        if version == "0.3":
-            message["kind"] = "message"
-        if context_id:
-            message["contextId"] = context_id
-        if task_id:
-            message["taskId"] = task_id
-        return message
+        self.counter += 1  # ids of the seed's own, so that a sequence runs again as it ran
+        return {**user_message(text, context_id=context_id, task_id=task_id, version=version), "messageId": f"m{self.seed}-{self.counter}"}
 
     # ---- the model of what must be true ------------------------------------------------------
 
