@@ -15,6 +15,7 @@ UnreadableSession, naming the row and never quoting it (``check_texts``).
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -119,8 +120,9 @@ class SessionLengths:
 
     Batch hooks of the group-commit writer; touched only in the pool's thread. What is known is
     trusted only while no other connection has committed (``PRAGMA data_version`` changes when
-    one has: another process's steer, say). In a batch's fast path the events are inserted
-    together, before COMMIT. Every statement spared is several calls into SQLite spared, each
+    one has: another process's steer, say). A batch's events are inserted together: when none of
+    its writes had to call into the database, in one statement that commits itself
+    (``commit_alone``), else before COMMIT. Every statement spared is several calls into SQLite spared, each
     of which lets go of the GIL and must take it back, which under load is a wait.
     """
 
@@ -138,27 +140,58 @@ class SessionLengths:
     careful: bool = False  # a savepoint per write: insert at once, inside it
     now: int = 0
 
-    def begin(self, conn: sqlite3.Connection, *, careful: bool) -> None:
-        self.check_current(conn)
+    def start(self, *, careful: bool) -> None:
+        self._check_bounds()
         self.rows.clear()
         self.careful = careful
         self.now = now_ms()
 
-    def check_current(self, conn: sqlite3.Connection) -> None:
-        """Forget what is known if another connection has committed since it was learnt, or if
-        it has grown past its bounds; outside a batch, only between two of them."""
+    def begin(self, conn: sqlite3.Connection) -> bool:
+        return self.check_current(conn)
+
+    def check_current(self, conn: sqlite3.Connection) -> bool:
+        """Forget what is known if another connection has committed since it was learnt (then
+        False), or if it has grown past its bounds; outside a batch, only between two of them."""
+        self._check_bounds()
         version = _data_version(conn)
+        if version == self.data_version:
+            return True
+        self.forget()
+        self.data_version = version
+        return False
+
+    def _check_bounds(self) -> None:
         if self.verified_chars > self.max_verified_chars:
             self._drop_largest()
         if (
-            version != self.data_version
-            or len(self.known) > self.max_known
+            len(self.known) > self.max_known
             or len(self.verified) > self.max_known
             or len(self.no_steers) > self.max_known
             or self.verified_chars > self.max_verified_chars
         ):
             self.forget()
-            self.data_version = version
+
+    def commit_alone(self, conn: sqlite3.Connection) -> bool:
+        """Insert the events queued in one statement that commits itself, if no other
+        connection has committed since what is known was learnt; False if nothing was written.
+        The statement takes the write lock as it starts, as BEGIN IMMEDIATE does (it waits for
+        another program's lock, up to the busy timeout, and never fails to upgrade a read)."""
+        rows = self.rows
+        if self.data_version is None or len(rows) > _ALONE_MAX:
+            return False
+        if not rows:
+            return _data_version(conn) == self.data_version
+        size = _alone_size(len(rows))
+        params: list[object] = [value for row in rows for value in row]
+        params.extend([None] * (5 * (size - len(rows))))
+        params.append(self.data_version)
+        inserted = conn.execute(_insert_alone(size), params).rowcount
+        if inserted == 0:
+            return False
+        if inserted != len(rows):  # the statement inserts all of them or none
+            raise RuntimeError(f"{inserted} of {len(rows)} events were inserted by one statement")
+        rows.clear()
+        return True
 
     def flush(self, conn: sqlite3.Connection) -> None:
         """Insert the events queued so far; before anything reads the events table."""
@@ -252,6 +285,26 @@ def _data_version(conn: sqlite3.Connection) -> int:
 
 
 _INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES (?, ?, ?, ?, ?)"
+
+# commit_alone's statement: the events as the rows of a VALUES clause, inserted only if the
+# database's data_version is still the one known. One statement for each count of rows up to
+# _ALONE_EXACT, past it for each multiple of it, padded with NULLs (a padded row costs about half
+# a real one): few enough for the connection's cache of prepared statements.
+_ALONE_EXACT, _ALONE_MAX = 64, 256
+
+
+def _alone_size(rows: int) -> int:
+    return rows if rows <= _ALONE_EXACT else -(-rows // _ALONE_EXACT) * _ALONE_EXACT
+
+
+@functools.cache
+def _insert_alone(size: int) -> str:
+    values = ", ".join(["(?, ?, ?, ?, ?)"] * size)
+    return (
+        "INSERT INTO events (session_id, seq, author, created_at_ms, content)"
+        f" SELECT column1, column2, column3, column4, column5 FROM (VALUES {values})"
+        " WHERE column1 IS NOT NULL AND (SELECT data_version FROM pragma_data_version) = ?"
+    )
 
 
 def append_txn(

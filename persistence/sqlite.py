@@ -89,7 +89,9 @@ def connect(path: Path, *, synchronous: str = "FULL", readonly: bool = False) ->
     else:
         create_private(path)
         # isolation_level=None: no implicit transactions; every write says BEGIN IMMEDIATE itself.
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        # A cache of prepared statements twice the default: the session store's batches insert
+        # their events with a statement for each count of rows, some sixty of them.
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, cached_statements=256)
     try:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA foreign_keys = ON")

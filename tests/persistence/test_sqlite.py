@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from persistence.errors import DatabaseBusy, DatabaseDamaged, SchemaError, TranscriptConflict, UnreadableSession
+from persistence.errors import DatabaseBusy, DatabaseDamaged, DatabaseFailed, SchemaError, TranscriptConflict, UnreadableSession
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
@@ -188,33 +189,207 @@ async def test_group_commit_a_batch_failing_only_as_it_ends_is_run_again_careful
         assert [await store.length(f"s{k}") for k in range(10)] == [3 if k == 3 else 2 for k in range(10)]
 
 
-async def test_group_commit_an_insert_that_fails_fails_its_own_write_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("known", [False, True], ids=["new sessions", "sessions the writer knows"])
+async def test_group_commit_an_insert_that_fails_fails_its_own_write_alone(tmp_path: Path, known: bool) -> None:
     # SQLite refuses s3's events (a trigger standing in for whatever makes one insert fail): the
-    # batch fails as it ends, and run again write by write, only s3's append fails with it.
+    # batch fails as it ends, and run again write by write, only s3's append fails with it. Of
+    # sessions the writer knows, the batch's events are one statement that commits itself.
     path = tmp_path / "runtime.db"
     async with open_session_store(path) as store:
+        if known:
+            for k in range(10):
+                await store.append(f"s{k}", ['{"n":0}'])
         with closing(sqlite3.connect(path, isolation_level=None)) as conn:
             conn.execute(
                 "CREATE TRIGGER refuse_s3 BEFORE INSERT ON events WHEN NEW.session_id = 's3'"
                 " BEGIN SELECT RAISE(ABORT, 'refused'); END"
             )
-        outcomes: dict[str, str] = {}
-
-        async def append(session_id: str) -> None:
-            try:
-                await store.append(session_id, ['{"n":1}'])
-                outcomes[session_id] = "ok"
-            except Exception as exc:
-                outcomes[session_id] = type(exc).__name__
-
         before = store.batches
+        outcomes = await in_one_batch(store.pool, *[functools.partial(store.append, f"s{k}", ['{"n":1}']) for k in range(10)])
+        assert store.batches - before == 1
+        assert type(outcomes.pop(3)).__name__ == "DatabaseFailed"
+        assert outcomes == [int(known)] * 9
+        assert [await store.length(f"s{k}") for k in range(10)] == [int(known) + (k != 3) for k in range(10)]
+
+
+async def in_one_batch(pool: SqlitePool, *writes: Callable[[], Awaitable[object]]) -> list[object]:
+    """Make ``writes`` while the pool's thread is held, each queued before the next is made, so
+    that the writer takes them as one batch, in that order; what each returned or raised."""
+    holding, release = threading.Event(), threading.Event()
+    results: list[object] = [None] * len(writes)
+
+    def hold(conn: sqlite3.Connection) -> None:
+        holding.set()
+        release.wait(10)
+
+    async def make(k: int) -> None:
+        try:
+            results[k] = await writes[k]()
+        except Exception as exc:
+            results[k] = exc
+
+    with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            for k in range(10):
-                nursery.start_soon(append, f"s{k}")
-        assert store.batches - before < 10, "the appends were not batched, so this tested nothing"
-        assert outcomes.pop("s3") == "DatabaseFailed"
-        assert set(outcomes.values()) == {"ok"}
-        assert [await store.length(f"s{k}") for k in range(10)] == [0 if k == 3 else 1 for k in range(10)]
+            nursery.start_soon(pool.run, hold)
+            await trio.to_thread.run_sync(holding.wait)
+            for k in range(len(writes)):
+                nursery.start_soon(make, k)
+                await trio.testing.wait_all_tasks_blocked()  # queued
+            release.set()
+    return results
+
+
+async def statements_of(pool: SqlitePool, call: Callable[[], Awaitable[object]]) -> list[str]:
+    """The statements the pool's connection runs while ``call`` runs (not those SQLite runs
+    inside one of them)."""
+    seen: list[str] = []
+    await pool.run(lambda conn: conn.set_trace_callback(seen.append))
+    try:
+        await call()
+    finally:
+        await pool.run(lambda conn: conn.set_trace_callback(None))
+    return [statement.split(" ", 2)[0] for statement in seen if not statement.startswith("--")]
+
+
+async def test_a_batch_of_writes_to_sessions_the_writer_knows_is_one_statement_that_commits_itself(tmp_path: Path) -> None:
+    # Each call into SQLite lets go of the GIL and takes it back, and under load each take waits
+    # for the event loop: a transaction's BEGIN, its check, its INSERT and its COMMIT were four
+    # such waits where one does.
+    path = tmp_path / "runtime.db"
+    question = Message(role="user", text="Which region?")
+    async with open_session_store(path) as store:
+        for k in range(10):
+            await store.append(f"s{k}", ['{"n":0}'])
+        await store.save_and_take_steers("conversation", [question])
+        writes: list[Callable[[], Awaitable[object]]] = [
+            functools.partial(store.append, f"s{k}", ['{"n":1}', '{"n":2}']) for k in range(10)
+        ]
+        writes.append(functools.partial(store.save_and_take_steers, "conversation", [question, Message(role="assistant", text="eu-west-1.")]))
+        results: list[object] = []
+
+        async def batch() -> None:
+            results.extend(await in_one_batch(store.pool, *writes))
+
+        assert await statements_of(store.pool, batch) == ["INSERT"]
+        assert results == [1] * 10 + [[]]
+    with closing(sqlite3.connect(path)) as conn:  # committed, and read so by another connection
+        rows = conn.execute("SELECT session_id, seq, content FROM events WHERE seq > 0 ORDER BY session_id, seq").fetchall()
+    assert rows[0] == ("conversation", 1, Message(role="assistant", text="eu-west-1.").to_json())
+    assert rows[1:] == [(f"s{k}", n, f'{{"n":{n}}}') for k in range(10) for n in (1, 2)]
+
+
+async def test_a_batch_with_more_events_than_one_statement_takes_is_one_transaction(tmp_path: Path) -> None:
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        await store.append("s", ['{"n":0}'])
+        await store.append("t", ['{"n":0}'])
+        writes = [
+            functools.partial(store.append, "s", [f'{{"n":{n}}}' for n in range(1, 301)]),
+            functools.partial(store.append, "t", ['{"n":1}']),
+        ]
+        results: list[object] = []
+
+        async def batch() -> None:
+            results.extend(await in_one_batch(store.pool, *writes))
+
+        statements = await statements_of(store.pool, batch)
+        assert [name for name, _ in itertools.groupby(statements)] == ["BEGIN", "PRAGMA", "INSERT", "COMMIT"]
+        assert results == [1, 1]
+        assert [await store.length(name) for name in ("s", "t")] == [301, 2]
+        assert [event.content for event in await store.events("s", after=298)] == ['{"n":299}', '{"n":300}']
+
+
+@pytest.mark.parametrize("found_by", ["its statement", "its first read"])
+async def test_a_batch_run_on_what_the_writer_knew_runs_again_when_another_connection_has_written(
+    tmp_path: Path, found_by: str
+) -> None:
+    # ``here`` knows s as one event long; ``there`` appends to it. Here's next batch runs on what
+    # it knows, and finds out as its one statement is refused, or as a write of the batch that
+    # must read (a new session's) begins the transaction: either way the batch runs again on
+    # what is stored, and every append lands after the other connection's.
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as here, open_session_store(path) as there:
+        await here.append("s", ['"here 0"'])
+        await here.append("t", ['"here 0"'])
+        await there.append("s", ['"there 1"'])
+        second = "t" if found_by == "its statement" else "new"
+        writes = [functools.partial(here.append, "s", ['"here"']), functools.partial(here.append, second, ['"here"'])]
+        writes.append(functools.partial(here.append, "s", ['"here again"']))
+        before = here.batches
+        results = await in_one_batch(here.pool, *writes)
+        assert here.batches - before == 1
+        assert results == [2, 1 if second == "t" else 0, 3]
+        assert [event.content for event in await there.events("s")] == ['"here 0"', '"there 1"', '"here"', '"here again"']
+        assert await there.length(second) == (2 if second == "t" else 1)
+
+
+async def test_a_batchs_one_statement_waits_for_another_programs_write_lock_as_a_transaction_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The statement takes the write lock as it starts, as BEGIN IMMEDIATE does: it waits for
+    # another program's lock up to the busy timeout, and past it its batch fails once (run again
+    # write by write, each would have waited as long again).
+    monkeypatch.setattr("persistence.sqlite.BUSY_TIMEOUT_MS", 300)
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path) as store:
+        await store.append("s", ['{"n":0}'])
+        started = threading.Event()
+
+        def traced(statement: str) -> None:
+            if statement.startswith("INSERT"):
+                started.set()
+
+        await store.pool.run(lambda conn: conn.set_trace_callback(traced))
+        with closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(store.append, "s", ['{"n":1}'])
+                await trio.to_thread.run_sync(started.wait, 10)  # the statement waits on the lock...
+                other.execute("COMMIT")  # ...which is let go: the append is made
+
+            async def refused() -> None:
+                with pytest.raises(DatabaseFailed, match="database is locked"):
+                    await store.append("s", ['{"n":2}'])
+
+            other.execute("BEGIN IMMEDIATE")
+            try:
+                assert await statements_of(store.pool, refused) == ["INSERT"]
+            finally:
+                other.execute("ROLLBACK")
+        assert [event.content for event in await store.events("s")] == ['{"n":0}', '{"n":1}']
+
+
+async def test_a_write_queued_behind_a_batch_that_found_its_file_gone_is_not_made(tmp_path: Path) -> None:
+    # The file is checked once per batch: as the batch is taken, or, under load, right after the
+    # batch before it commits. Here the file goes while that batch commits: the check made after
+    # it finds it gone, and the write behind it is refused, not made into a file no one reads.
+    path = tmp_path / "runtime.db"
+    pool = await SqlitePool.open(path, SESSIONS_SCHEMA)
+    writer = GroupCommitWriter(pool, max_batch=2)
+
+    def write(conn: sqlite3.Connection, name: str, then: Callable[[], object] = lambda: None) -> None:
+        conn.execute("INSERT INTO app_states VALUES (?, '{}', 0)", (name,))
+        then()
+
+    moved = tmp_path / "moved.db"
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writer.run)
+            results = await in_one_batch(
+                pool,
+                functools.partial(writer.submit, write, "first", functools.partial(path.rename, moved)),
+                functools.partial(writer.submit, write, "second"),
+                functools.partial(writer.submit, write, "behind"),
+            )
+            assert results[:2] == [None, None]  # made while the file was being moved: as any check would miss it
+            assert type(results[2]).__name__ == "DatabaseGone"
+            moved.rename(path)
+            await writer.submit(write, "later")
+            await writer.aclose()
+    finally:
+        await pool.aclose()
+    with closing(sqlite3.connect(path)) as conn:
+        assert sorted(row[0] for row in conn.execute("SELECT app_name FROM app_states")) == ["first", "later", "second"]
 
 
 async def test_group_commit_writer_must_be_started_before_use(tmp_path: Path) -> None:
