@@ -122,8 +122,8 @@ class SessionLengths:
     trusted only while no other connection has committed (``PRAGMA data_version`` changes when
     one has: another process's steer, say). A batch's events are inserted together: when none of
     its writes had to call into the database, in one statement that commits itself
-    (``commit_alone``), else before COMMIT. Every statement spared is several calls into SQLite spared, each
-    of which lets go of the GIL and must take it back, which under load is a wait.
+    (``commit_alone``), else before COMMIT. Every statement spared is several calls into SQLite
+    spared, each of which lets go of the GIL and must take it back, which under load is a wait.
     """
 
     data_version: int | None = None
@@ -147,18 +147,21 @@ class SessionLengths:
         self.now = now_ms()
 
     def begin(self, conn: sqlite3.Connection) -> bool:
-        return self.check_current(conn)
-
-    def check_current(self, conn: sqlite3.Connection) -> bool:
-        """Forget what is known if another connection has committed since it was learnt (then
-        False), or if it has grown past its bounds; outside a batch, only between two of them."""
-        self._check_bounds()
+        """Whether what is known still holds; forgotten if not. Only what another connection did
+        is checked here, not the bounds: the batch's writes that ran already may have queued
+        events that what is known accounts for, and only their transaction has them."""
         version = _data_version(conn)
         if version == self.data_version:
             return True
         self.forget()
         self.data_version = version
         return False
+
+    def check_current(self, conn: sqlite3.Connection) -> None:
+        """Forget what is known if another connection has committed since it was learnt, or if
+        it has grown past its bounds; outside a batch, only between two of them."""
+        self._check_bounds()
+        self.begin(conn)
 
     def _check_bounds(self) -> None:
         if self.verified_chars > self.max_verified_chars:
