@@ -371,12 +371,12 @@ def details_chars(details: object) -> int:
 def carries_reasoning(message: dict[str, Any]) -> bool:
     """Whether a message (or a chunk's delta) carries reasoning apart from its answer: in
     ``reasoning_content`` (vLLM, llama.cpp, DeepSeek), ``reasoning`` (Ollama, newer vLLM),
-    ``reasoning_details`` (OpenRouter) or, in
-    content given as typed parts, "thinking" parts (Mistral). None of it is the answer."""
+    ``reasoning_details`` (OpenRouter) or, in content given as typed parts, "thinking" parts
+    (Mistral). None of it is the answer."""
     content = message.get("content")
     parts = content if isinstance(content, list) else []
     thinking = any(isinstance(part, dict) and part.get("type") == "thinking" for part in parts)
-    return thinking or bool(message.get("reasoning_content") or message.get("reasoning") or message.get("reasoning_details"))
+    return thinking or any(message.get(name) for name in (*REASONING_FIELDS, "reasoning_details"))
 
 
 def reasoning_chars(message: dict[str, Any]) -> int:
@@ -384,7 +384,7 @@ def reasoning_chars(message: dict[str, Any]) -> int:
     carries, wherever carries_reasoning finds it. A server that sends both ``reasoning_content``
     and ``reasoning`` (an older name kept beside the newer), or OpenRouter's ``reasoning_details``
     beside its ``reasoning``, sends the same text twice: it counts once."""
-    fields = (message.get("reasoning_content"), message.get("reasoning"))
+    fields = (message.get(name) for name in REASONING_FIELDS)
     count = max((len(text) for text in fields if isinstance(text, str)), default=0)
     count = max(count, details_chars(message.get("reasoning_details")))  # OpenRouter's, beside its ``reasoning``
     content = message.get("content")
