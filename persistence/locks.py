@@ -11,7 +11,8 @@ import trio
 def holding(lock: trio.Lock) -> AbstractAsyncContextManager[None]:
     """``async with lock``, except that a free lock is taken at once: ``trio.Lock`` always
     passes through the scheduler first, which under load is a whole round of every runnable
-    task, on every request. A lock that is held is waited for as usual, in turn."""
+    task, on every request. A lock that is held is waited for as usual, in turn; a caller whose
+    scope is cancelled is stopped here either way, as at ``trio.Lock``."""
     return _Holding(lock)
 
 
@@ -24,6 +25,7 @@ class _Holding:
         self._lock = lock
 
     async def __aenter__(self) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
             self._lock.acquire_nowait()
         except trio.WouldBlock:

@@ -16,6 +16,7 @@ import trio
 
 from persistence.api import SessionStore, TaskStore
 from persistence.errors import StoreError, is_damage, told_before
+from persistence.locks import holding
 from persistence.session import Session
 from persistence.transcript import Message as Transcribed
 from protocol import Task, TaskState
@@ -68,7 +69,7 @@ class TurnTaker:
             turn, overtaken = turn_of(messages, task.id)
             resuming = live.resuming
             if resuming:  # steers were refused until now: one taken for a turn already over would ride no request
-                async with live.steers.lock:
+                async with holding(live.steers.lock):
                     live.resuming = False
                     live.steers.closed = bool(turn) and (answered(turn) or overtaken)
             if not turn:

@@ -17,6 +17,7 @@ import attrs
 
 import persistence.errors as store_errors
 from persistence.api import PendingSteer, SessionStore, SteerReceipt, TaskStore
+from persistence.locks import holding
 from protocol import (
     ContextMismatch,
     InvalidParams,
@@ -83,7 +84,7 @@ class Steering:
         message = attrs.evolve(message, context_id=task.context_id)
         # Whether the run can still take a steer is decided, and the steer stored, holding the
         # run's gate: a steer is either stored before the run's last look for steers, or refused.
-        async with live.steers.lock if live is not None else nullcontext():
+        async with holding(live.steers.lock) if live is not None else nullcontext():
             return await self._steer(owner, task, version, message, live)
 
     async def steered_before(self, owner: str, params: SendMessageParams, receipt: SteerReceipt) -> Task:

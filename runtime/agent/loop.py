@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from persistence.errors import TranscriptConflict, is_damage, told_before
+from persistence.locks import holding
 from persistence.session import Session
 from persistence.transcript import REASONING_CONTENT, Message, ToolCall
 from persistence.validate import MAX_EVENT_BYTES
@@ -227,7 +228,7 @@ class AgentRun:
             # A turn resumed after its answer was stored is over: asked again, the model would
             # answer it twice (or its server refuse two assistant messages in a row).
             if self.gate is not None:
-                async with self.gate.lock:
+                async with holding(self.gate.lock):
                     self.gate.closed = True
             return
         if self._calls >= self.spec.max_model_calls:  # spent before a restart
@@ -266,7 +267,7 @@ class AgentRun:
         after the answer), or only the budget's last one does."""
         if self.gate is None:
             return await self._prepare_request(what, before_model=before_model)
-        async with self.gate.lock:
+        async with holding(self.gate.lock):
             found = await self._prepare_request(what, before_model=before_model)
             if not (before_model or found) or self._calls + 1 >= self.spec.max_model_calls:
                 self.gate.closed = True
