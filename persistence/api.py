@@ -228,7 +228,11 @@ class TaskStore(Protocol):
         updated_after_ms: int | None = None,
         page_size: int = 50,
         page_token: str = "",
-    ) -> TaskPage: ...
+    ) -> TaskPage:
+        """The owner's tasks matching the filters, the most recent status first, a page at a time.
+        ``total_size`` is how many matched as the listing's first page was read: its later pages
+        (``page_token``) give that count again rather than count once more."""
+        ...
 
     async def unfinished(self) -> Sequence[TaskRecord]:
         """Every owner's SUBMITTED or WORKING tasks, oldest first: what a dead process left running."""

@@ -326,7 +326,7 @@ class MemoryTaskStore(_Closable):
         check_page_size(page_size)
         check_listing_time(updated_after_ms)
         filters = (context_id, state, updated_after_ms)
-        after = decode_page_token(page_token, filters) if page_token else None
+        start = decode_page_token(page_token, filters) if page_token else None
         await self._enter()
         matching = sorted(
             (
@@ -340,9 +340,10 @@ class MemoryTaskStore(_Closable):
             key=lambda r: (r.updated_at_ms, r.id),
             reverse=True,
         )
-        rest = [r for r in matching if after is None or (r.updated_at_ms, r.id) < after]
-        records, token = take_page(rest, page_size, filters)
-        return TaskPage(records=records, next_page_token=token, total_size=len(matching))
+        rest = [r for r in matching if start is None or (r.updated_at_ms, r.id) < start.after]
+        total = len(matching) if start is None or start.total is None else start.total  # the listing's (see PageStart)
+        records, token = take_page(rest, page_size, filters, total)
+        return TaskPage(records=records, next_page_token=token, total_size=total)
 
     async def unfinished(self) -> Sequence[TaskRecord]:
         await self._enter()

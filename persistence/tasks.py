@@ -139,34 +139,53 @@ FILTERS = ("context_id", "state", "updated_after_ms")
 Filters = tuple[str | None, str | None, int | None]
 
 
-def encode_page_token(record: TaskRecord, filters: Filters) -> str:
-    raw = json.dumps([record.updated_at_ms, record.id, *filters], separators=(",", ":")).encode()
+@attrs.frozen
+class PageStart:
+    """Where the page a token asks for starts: after the task ``after`` (its status time and id)
+    that ended the page before. ``total`` is the listing's ``total_size`` as its first page counted
+    it, given again for every later page: counted at each, the tasks after a status time were
+    counted whole once a page, and walking a listing's pages took time with the square of their
+    number. None in a token of an earlier build, which carries none: counted again then."""
+
+    after: tuple[int, str]
+    total: int | None
+
+
+def encode_page_token(record: TaskRecord, filters: Filters, total: int) -> str:
+    raw = json.dumps([record.updated_at_ms, record.id, *filters, total], separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def take_page(records: Iterable[TaskRecord], page_size: int, filters: Filters) -> tuple[tuple[TaskRecord, ...], str]:
+def take_page(
+    records: Iterable[TaskRecord], page_size: int, filters: Filters, total: int
+) -> tuple[tuple[TaskRecord, ...], str]:
     """The first of ``records`` that make a page, and the token of the next page ("" if none): at
     most ``page_size`` of them, and no more once their JSON passes MAX_PAGE_CHARS (at least one).
-    ``records`` is read one at a time, and only up to the first one not taken."""
+    ``records`` is read one at a time, and only up to the first one not taken. ``total`` is the
+    listing's total, which the token carries to the next page."""
     taken: list[TaskRecord] = []
     chars = 0
     for record in records:
         chars += len(record.task_json)
         if len(taken) == page_size or (taken and chars > MAX_PAGE_CHARS):
-            return tuple(taken), encode_page_token(taken[-1], filters)
+            return tuple(taken), encode_page_token(taken[-1], filters, total)
         taken.append(record)
     return tuple(taken), ""
 
 
-def decode_page_token(token: str, filters: Filters) -> tuple[int, str]:
+def decode_page_token(token: str, filters: Filters) -> PageStart:
     """Where the page of ``token`` starts; InvalidPage for a token not made here, and
     PageOfOtherListing for one made for a listing with other ``filters``. A token of an earlier
-    build carries no filters, and is taken with those it comes with."""
+    build carries no filters, and is taken with those it comes with; nor a total, which is then
+    counted again."""
     try:
         fields = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
-        if type(fields) is not list or len(fields) not in (2, 2 + len(FILTERS)):
+        if type(fields) is not list or len(fields) not in (2, 2 + len(FILTERS), 3 + len(FILTERS)):
             raise ValueError
         updated, task_id, *given = fields
+        given, counted = given[: len(FILTERS)], given[len(FILTERS) :]  # counted: [the listing's total], in this build's
+        if counted and (type(counted[0]) is not int or not 0 <= counted[0] < 2**63):
+            raise ValueError
         # A token is only ever made here, but a client can send anything: a time that SQLite
         # cannot hold as an integer would fail the query, not name the token.
         if type(updated) is not int or not 0 <= updated < 2**63 or type(task_id) is not str or lone_surrogate(task_id):
@@ -179,7 +198,7 @@ def decode_page_token(token: str, filters: Filters) -> tuple[int, str]:
         ) from exc
     if given and tuple(given) != filters:
         raise PageOfOtherListing(token, [name for name, was, now in zip(FILTERS, given, filters) if was != now])
-    return updated, task_id
+    return PageStart(after=(updated, task_id), total=counted[0] if counted else None)
 
 
 def _create_txn(conn: sqlite3.Connection, record: TaskRecord, message_id: str | None) -> TaskRecord:
@@ -226,7 +245,7 @@ def _update_txn(
 
 
 def _list_txn(
-    conn: sqlite3.Connection, owner: str, listing: Filters, page_size: int, after: tuple[int, str] | None
+    conn: sqlite3.Connection, owner: str, listing: Filters, page_size: int, start: PageStart | None
 ) -> TaskPage:
     filters = dict(zip(("context_id", "state", "updated_at_ms"), listing))  # by column
     where = ["owner = :owner"]
@@ -238,21 +257,23 @@ def _list_txn(
             term = "+state" if column == "state" and filters.get("context_id") is not None else column
             where.append(f"{term} {op} :{column}")
             params[column] = filters[column]
-    if filters.get("context_id") is None and filters.get("updated_at_ms") is None:  # kept, not counted
+    if start is not None and start.total is not None:  # the listing's, as its first page counted it
+        total = start.total
+    elif filters.get("context_id") is None and filters.get("updated_at_ms") is None:  # kept, not counted
         by_state = " AND state = :state" if filters.get("state") is not None else ""
         (total,) = conn.execute(f"SELECT coalesce(sum(tasks), 0) FROM task_counts WHERE owner = :owner{by_state}", params).fetchone()
     else:  # a context's tasks, or those after a time: counted in the index that finds them
         (total,) = conn.execute(f"SELECT count(*) FROM tasks WHERE {' AND '.join(where)}", params).fetchone()
-    if after is not None:
+    if start is not None:
         # Keyset pagination: rows strictly after the last one of the previous page.
         where.append("(updated_at_ms < :after_ms OR (updated_at_ms = :after_ms AND id < :after_id))")
-        params["after_ms"], params["after_id"] = after
+        params["after_ms"], params["after_id"] = start.after
     rows = conn.execute(
         f"SELECT {_READ} FROM tasks WHERE {' AND '.join(where)} ORDER BY updated_at_ms DESC, id DESC LIMIT :limit",
         params,
     )
     try:  # read row by row: a page may end before its page size
-        records, token = take_page(map(record_from_row, rows), page_size, listing)
+        records, token = take_page(map(record_from_row, rows), page_size, listing, int(total))
     finally:
         rows.close()
     return TaskPage(records=records, next_page_token=token, total_size=int(total))
@@ -339,11 +360,11 @@ class SqliteTaskStore(WriterBacked):
         check_page_size(page_size)
         check_listing_time(updated_after_ms)
         filters = (context_id, state, updated_after_ms)
-        after = decode_page_token(page_token, filters) if page_token else None
+        start = decode_page_token(page_token, filters) if page_token else None
         if any(lone_surrogate(text) for text in (owner, context_id or "", state or "")):
             return TaskPage(records=(), next_page_token="", total_size=0)  # no such text is ever stored
         # One read transaction, so the count and the page agree.
-        return await self.pool.run(_read_txn, _list_txn, owner, filters, page_size, after)
+        return await self.pool.run(_read_txn, _list_txn, owner, filters, page_size, start)
 
     async def unfinished(self) -> Sequence[TaskRecord]:
         """Every owner's SUBMITTED or WORKING tasks, oldest first: what a dead process left running."""

@@ -220,6 +220,27 @@ async def listing_filters_orders_newest_first_and_pages_through_everything_once(
 
 
 @task_check
+async def a_listings_later_pages_give_the_total_its_first_page_counted(backend: Backend) -> None:
+    listings: list[dict[str, Any]] = [{}, {"context_id": "ctx"}, {"state": SUBMITTED}, {"updated_after_ms": 0}]
+    async with backend.tasks() as store:
+        for k, filters in enumerate(listings):
+            owner = f"owner-{k}"
+            for i in range(6):
+                await make_task(store, f"{owner}-t{i}", owner=owner)
+            first = await store.list(owner, page_size=4, **filters)
+            assert first.total_size == 6 and first.next_page_token, filters
+            await make_task(store, f"{owner}-late", owner=owner)
+            later = await store.list(owner, page_size=4, page_token=first.next_page_token, **filters)
+            assert later.total_size == 6, filters  # as the listing's first page counted it
+            assert (await store.list(owner, **filters)).total_size == 7, filters  # a listing begun anew counts anew
+            # A token of an earlier build carries no total: its page counts the tasks as they are.
+            token = first.next_page_token
+            fields = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+            earlier = base64.urlsafe_b64encode(json.dumps(fields[:-1]).encode()).decode().rstrip("=")
+            assert (await store.list(owner, page_size=4, page_token=earlier, **filters)).total_size == 7, filters
+
+
+@task_check
 async def a_page_ends_early_once_its_tasks_pass_the_page_limit_and_the_next_goes_on_from_there(backend: Backend) -> None:
     async with backend.tasks() as store:
         big = json.dumps({"history": "x" * (MAX_PAGE_CHARS // 3)})
@@ -247,9 +268,12 @@ async def a_bad_page_size_or_token_is_a_clear_error(backend: Backend) -> None:
             else:
                 raise AssertionError(f"page size {size} was accepted")
         # Not base64; base64 of what is not a token; tokens forged with a time past SQLite's
-        # integers, before the epoch, or not a number at all; an id that is not text.
+        # integers, before the epoch, or not a number at all; an id that is not text; a total
+        # that is no count.
         forged = ([10**30, "t1"], [-1, "t1"], [True, "t1"], [1.5, "t1"], [1, 2], [1, "t1", 3], [1, "t\ud800"],
-                  [1, "t1", None, None, 1.5], [1, "t1", 7, None, None], [1, "t1", None, None, None, None])
+                  [1, "t1", None, None, 1.5], [1, "t1", 7, None, None], [1, "t1", None, None, None, None],
+                  [1, "t1", None, None, None, -1], [1, "t1", None, None, None, 2.5], [1, "t1", None, None, None, 10**30],
+                  [1, "t1", None, None, None, 3, 4])
         tokens = ["%%%not-a-token", "bm90IGpzb24", *(base64.urlsafe_b64encode(json.dumps(f).encode()).decode() for f in forged)]
         for token in tokens:
             try:

@@ -1246,6 +1246,27 @@ async def test_listings_and_finding_unfinished_tasks_read_no_more_among_thousand
     assert completed.total_size == 5000 and with_completed <= 2 * alone[0] + 5, with_completed
 
 
+async def test_the_later_pages_of_a_listing_after_a_time_do_not_count_its_tasks_again(tmp_path: Path) -> None:
+    # Counted at every page, the tasks after a status time were walked whole once a page: the
+    # pages of a listing of n tasks took time with n squared, in the thread every task write waits for.
+    path = tmp_path / "tasks.db"
+    async with open_task_store(path) as store:
+        with closing(sqlite3.connect(path)) as other, other:
+            other.executemany(
+                "INSERT INTO tasks (id, context_id, owner, state, version, created_at_ms, updated_at_ms, task)"
+                " VALUES (?, ?, 'alice', 'TASK_STATE_COMPLETED', 1, ?, ?, '{}')",
+                ((f"t-{n:05}", f"ctx-{n}", 10 + n, 10 + n) for n in range(5000)),
+            )
+        first_page = await store.list("alice", updated_after_ms=0, page_size=10)
+        first = await sqlite_steps(store.pool, lambda: store.list("alice", updated_after_ms=0, page_size=10))
+        token = first_page.next_page_token
+        second_page = await store.list("alice", updated_after_ms=0, page_size=10, page_token=token)
+        second = await sqlite_steps(store.pool, lambda: store.list("alice", updated_after_ms=0, page_size=10, page_token=token))
+    assert first_page.total_size == second_page.total_size == 5000
+    assert [r.id for r in second_page.records] == [f"t-{n:05}" for n in range(4989, 4979, -1)]
+    assert second * 10 < first, (first, second)
+
+
 def _damage(path: Path, text: bytes) -> None:
     """Flip a byte in the middle of the one place ``text`` is stored in the database ``path`` (closed,
     its -wal checkpointed into it): it is no longer UTF-8, and every page is sound."""
