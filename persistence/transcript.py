@@ -61,6 +61,9 @@ class Message:
     go back with the calls, as they came (DeepSeek's thinking mode and Kimi refuse a conversation
     whose tool calls come back without their ``reasoning_content``, and OpenRouter's Anthropic and
     Gemini 3 models one whose calls come back without their ``reasoning_details``).
+    ``via`` names the model server whose answer a message is, when the server attached any of
+    these (or ``extra_content`` to a call): they are its own, and go back to it alone, since
+    another may refuse a field it does not know (a conversation moved to another server).
     """
 
     role: str = attrs.field(validator=attrs.validators.in_(ROLES))
@@ -73,6 +76,7 @@ class Message:
     reasoning: str = ""
     reasoning_as: str = REASONING_CONTENT
     reasoning_details: str = ""
+    via: str = ""
 
     def to_json(self) -> str:
         """The stored form: empty fields are left out, so the shape stays small and stable."""
@@ -95,6 +99,8 @@ class Message:
             data["reasoning_as"] = self.reasoning_as
         if self.reasoning_details:
             data["reasoning_details"] = self.reasoning_details
+        if self.via:
+            data["via"] = self.via
         return _STORED_FORM.encode(data)
 
     def stored_bytes(self) -> int:
@@ -105,7 +111,7 @@ class Message:
         """The stored size when it is over ``max_bytes``, else None. Cheap for a message far under
         it: as JSON in UTF-8 a character takes at most 6 bytes (an escape such as ``\\u001f``)."""
         chars = len(self.text) + len(self.tool_call_id) + len(self.name) + len(self.turn_id)
-        chars += len(self.reasoning) + len(self.reasoning_as) + len(self.reasoning_details)
+        chars += len(self.reasoning) + len(self.reasoning_as) + len(self.reasoning_details) + len(self.via)
         chars += sum(len(call.id) + len(call.name) + len(call.arguments) + len(call.extra) + 24 for call in self.tool_calls)
         if chars * 6 + 200 <= max_bytes:
             return None
@@ -151,6 +157,7 @@ class Message:
                 reasoning=data.get("reasoning", ""),
                 reasoning_as=data.get("reasoning_as", REASONING_CONTENT),
                 reasoning_details=data.get("reasoning_details", ""),
+                via=data.get("via", ""),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a message: {exc}") from exc

@@ -38,7 +38,7 @@ from runtime.models.failures import (
 )
 from runtime.models.transport import QueuedTransport, with_whole_body
 from runtime.models.values import ChatRequest, Completion, Delta, Finish, TextDelta
-from runtime.models.wire import SAID_CHARS, parse_completion, request_body
+from runtime.models.wire import SAID_CHARS, marked, marked_completion, parse_completion, request_body
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +108,11 @@ class ModelClient:
         Blocks until the whole answer has arrived. Cancellation closes the connection. Raises a
         ModelError subclass; ValueError when the transcript cannot be sent.
         """
-        body = request_body(request, model=self.config.model, stream=False)
+        body = request_body(request, model=self.config.model, stream=False, server=self.config.server)
         response = await self._open("POST", "chat/completions", body, accept="application/json")
         data = await self._read_json(response)
         try:
-            return parse_completion(data, model=self.config.model)
+            return marked_completion(parse_completion(data, model=self.config.model), self.config.server)
         except ModelError as exc:  # what the server said may repeat the key it was sent
             exc.detail = self._scrub_cut(exc.detail)
             raise
@@ -395,7 +395,7 @@ class ChatStream:
         if self._entered:
             raise RuntimeError("A ChatStream is read once; call client.stream(request) again for another answer.")
         self._entered = True
-        body = request_body(self._request, model=self._client.config.model, stream=True)
+        body = request_body(self._request, model=self._client.config.model, stream=True, server=self._client.config.server)
         self._response = await self._client._open_stream(body)
         media = self._response.headers.get("content-type", "").split(";")[0].strip().lower()
         if media == "text/html":  # a proxy's error page, say: not a stream that ended early
@@ -526,11 +526,13 @@ class ChatStream:
 
     def completion(self) -> Completion:
         """The whole answer; RuntimeError until the stream has been read to its end."""
-        return self._whole if self._whole is not None else self._assembler.completion()
+        whole = self._whole if self._whole is not None else self._assembler.completion()
+        return marked_completion(whole, self._client.config.server)
 
     def partial_message(self) -> Message:
         """What has arrived so far, as an assistant message marked ``partial`` unless complete."""
-        return self._whole.message if self._whole is not None else self._assembler.partial_message()
+        message = self._whole.message if self._whole is not None else self._assembler.partial_message()
+        return marked(message, self._client.config.server)
 
 
 def _deltas(whole: Completion) -> list[Delta]:

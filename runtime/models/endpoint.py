@@ -11,6 +11,7 @@ client exists, and the client and its error classification read the secrets from
 from __future__ import annotations
 
 import base64
+import hashlib
 from urllib.parse import SplitResult, unquote, unquote_plus, urlsplit, urlunsplit
 
 import attrs
@@ -128,6 +129,12 @@ class ModelConfig:
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
         port = f":{parts.port}" if parts.port else ""
         return f"{parts.scheme}://{host}{port}{parts.path}"
+
+    @property
+    def server(self) -> str:
+        """Which model server this is, as a transcript marks the answers it attached something to
+        (``Message.via``): a digest of ``endpoint``, so that no address is stored with them."""
+        return hashlib.sha256(self.endpoint.encode()).hexdigest()[:16]
 
     def scrub(self, text: str) -> str:
         """``text`` (what a server or the transport said) with the secrets of this config masked,

@@ -26,15 +26,17 @@ from runtime.models.values import ChatRequest, Completion, ToolSpec, Usage
 SAID_CHARS = 8000
 
 
-def request_body(request: ChatRequest, *, model: str, stream: bool) -> dict[str, Any]:
-    """The JSON body of ``POST /chat/completions`` for ``request``.
+def request_body(request: ChatRequest, *, model: str, stream: bool, server: str = "") -> dict[str, Any]:
+    """The JSON body of ``POST /chat/completions`` for ``request``, to the model server
+    ``server`` (``ModelConfig.server``): what another server attached to its answers is left out.
 
     Raises ValueError naming the message when the transcript cannot be sent (a tool result
     that does not say which call it answers).
     """
+    messages = [message_to_wire(index, message, server) for index, message in enumerate(request.messages)]
     body: dict[str, Any] = {
         "model": model,
-        "messages": joined_user_messages([message_to_wire(index, message) for index, message in enumerate(request.messages)]),
+        "messages": joined_user_messages(messages),
         "stream": stream,
     }
     if stream:
@@ -49,7 +51,10 @@ def request_body(request: ChatRequest, *, model: str, stream: bool) -> dict[str,
     return body
 
 
-def message_to_wire(index: int, message: Message) -> dict[str, Any]:
+def message_to_wire(index: int, message: Message, server: str = "") -> dict[str, Any]:
+    """``message`` as the API takes it. What a server attached to it (reasoning before its tool
+    calls, ``extra_content`` on them) goes only to that server (``message.via``), or to any when the
+    message does not say (stored by an earlier build): another may refuse a field it does not know."""
     if message.role == "tool":
         if not message.tool_call_id:
             raise ValueError(
@@ -63,7 +68,10 @@ def message_to_wire(index: int, message: Message) -> dict[str, Any]:
     if message.role == "assistant" and message.tool_calls:
         # The API's own shape for an assistant turn that only calls tools is content: null.
         wire["content"] = message.text or None
-        wire["tool_calls"] = [tool_call_to_wire(call) for call in message.tool_calls]
+        attached = not message.via or message.via == server
+        wire["tool_calls"] = [tool_call_to_wire(call, attached=attached) for call in message.tool_calls]
+        if not attached:
+            return wire
         if message.reasoning:  # only ever kept from a server that sent it so: see REASONING_FIELDS
             names = [name for name in message.reasoning_as.split() if name in REASONING_FIELDS]  # none but these
             wire.update(dict.fromkeys(names, message.reasoning))
@@ -71,6 +79,20 @@ def message_to_wire(index: int, message: Message) -> dict[str, Any]:
         if isinstance(details, list) and details:
             wire["reasoning_details"] = details
     return wire
+
+
+def marked(message: Message, server: str) -> Message:
+    """``message`` (an answer of the model server ``server``), marked as that server's (``via``)
+    when it attached something to it: reasoning before its tool calls, or ``extra_content`` on one."""
+    if not (message.reasoning or message.reasoning_details or any(call.extra for call in message.tool_calls)):
+        return message
+    return attrs.evolve(message, via=server)
+
+
+def marked_completion(completion: Completion, server: str) -> Completion:
+    """``completion``, its message ``marked``."""
+    message = marked(completion.message, server)
+    return completion if message is completion.message else attrs.evolve(completion, message=message)
 
 
 def joined_user_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,8 +119,11 @@ def joined_user_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
     return joined
 
 
-def tool_call_to_wire(call: ToolCall) -> dict[str, Any]:
+def tool_call_to_wire(call: ToolCall, *, attached: bool = True) -> dict[str, Any]:
+    """``call`` as the API takes it; with what its server attached to it (``extra_content``) if ``attached``."""
     wire: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": wire_arguments(call.arguments)}}
+    if not attached:
+        return wire
     extra = _stored_json(call.extra)
     if isinstance(extra, dict) and extra:
         wire["extra_content"] = extra

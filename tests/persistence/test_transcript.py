@@ -59,6 +59,7 @@ _messages = st.builds(
     reasoning=_texts,
     reasoning_as=st.sampled_from(["reasoning_content", "reasoning", "reasoning_content reasoning", ""]),
     reasoning_details=_texts,
+    via=_texts,
 )
 
 

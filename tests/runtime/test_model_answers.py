@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from fake_model import REASONING_ENCRYPTED, REASONING_SIGNATURE, Call, FakeModel, Reply
 
 from persistence.transcript import ToolCall
 from runtime.agent import AgentSpec
 from runtime.models.client import MAX_REASONING_CHARS
+from runtime.models import ModelConfig
 from runtime.models.reasoning import ThinkFilter
 from runtime.models.wire import ReasoningDetails, distinct_ids, parse_completion
 from tests.runtime.agent_support import lookup_tool, sent_messages, stored_messages
@@ -281,6 +283,47 @@ async def test_the_reasoning_before_a_models_tool_calls_goes_back_with_them_afte
     sent = sent_messages(fake_model.bodies[2])
     assert [m.get("reasoning_content") for m in sent if m["role"] == "assistant"] == [thought, None]
     assert all("reasoning" not in m for m in sent)
+
+
+@pytest.mark.parametrize("ignore_stream", [False, True], ids=["streamed", "one-body"])
+async def test_what_a_server_attached_goes_back_to_it_alone_when_the_conversation_moves_to_another(
+    fake_model: FakeModel, nursery: trio.Nursery, tmp_path: Path, ignore_stream: bool
+) -> None:
+    # A conversation begun on one model server and gone on with on another (the operator moved
+    # it): the reasoning and the thought signature the first attached to its calls are its own
+    # fields, which another may refuse (OpenAI's API refuses a field it does not know; vLLM
+    # before 0.8 refused reasoning_content). The first still gets them back when it comes back.
+    other: FakeModel = await nursery.start(FakeModel().serve)
+    thought = "The user asks about the lease; look the vault up."
+    signature = json.dumps({"google": {"thought_signature": "CiQBjz1rX+sig/=="}})
+    fake_model.wants_reasoning_back = fake_model.wants_extra_content = True
+    fake_model.script = [
+        Reply(reasoning=thought, tool_calls=[Call("lookup", VAULT, extra_content=signature)], ignore_stream=ignore_stream),
+        Reply(text="The lease expired."),
+        Reply(text="Back on the first server."),
+    ]
+    other.script = [Reply(text="Still expired.")]
+    agent = AgentSpec(tools=[lookup_tool()])
+    state = tmp_path / "state"
+    async with serve_keel(state, fake_model, agent=agent) as keel:
+        task = await keel.send("Why did the lease expire?")
+    assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+    context = task["contextId"]
+    for server, question in ((other, "And now?"), (fake_model, "And back?")):
+        async with serve_keel(state, server, agent=agent) as keel:
+            task = await keel.send(question, contextId=context)
+        assert task["status"]["state"] == "TASK_STATE_COMPLETED", task
+
+    def the_call(body: dict[str, Any]) -> dict[str, Any]:
+        [asked] = [m for m in sent_messages(body) if m.get("tool_calls")]
+        return asked
+
+    on_other = the_call(other.bodies[0])
+    assert not [key for key in on_other if key.startswith("reasoning")] and "extra_content" not in on_other["tool_calls"][0]
+    back = the_call(fake_model.bodies[2])
+    assert back["reasoning_content"] == thought and back["tool_calls"][0]["extra_content"] == json.loads(signature)
+    [stored] = [m for m in await stored_messages(state / "runtime.db", context) if m.tool_calls]
+    assert stored.via == ModelConfig(base_url=fake_model.base_url).server != ModelConfig(base_url=other.base_url).server
 
 
 @pytest.mark.parametrize("ignore_stream", [False, True], ids=["streamed", "one-body"])
