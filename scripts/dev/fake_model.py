@@ -187,6 +187,9 @@ class FakeModel:
     # the first page of its catalog) there, to the model it stands for, though its catalog does
     # not list it: alias to the id answered.
     aliases: dict[str, str] = attrs.Factory(dict)
+    # The status GET /v1/models/NAME answers every name with, as a server in trouble does (503, a
+    # proxy whose upstream is down); None: as the catalog and ``aliases`` say.
+    entry_status: int | None = None
     # Names its chat takes though its catalog neither lists them nor answers for them, as Azure
     # OpenAI's deployments: its catalog lists the models they deploy.
     deployments: tuple[str, ...] = attrs.field(default=(), converter=_names)
@@ -267,6 +270,8 @@ class FakeModel:
             await _send_json(send, 200, self._catalog())
         elif (scope["method"], scope["path"]) == ("POST", "/v1/chat/completions"):
             await self._chat(body, receive, send)
+        elif scope["method"] == "GET" and scope["path"].startswith("/v1/models/") and self.entry_status is not None:
+            await _send_json(send, self.entry_status, _error("the model service is unavailable", "service_unavailable"))
         elif scope["method"] == "GET" and (entry := self._entry(scope["path"])) is not None:
             await _send_json(send, 200, entry)
         else:

@@ -143,6 +143,22 @@ async def test_healthz_finds_a_model_the_server_answers_for_by_name_though_its_c
     assert asked == ["/v1/models/qwen3:4b-instruct", "/v1/models/claude-opus-4-1", "/v1/models/claude-haiku-9"]
 
 
+@pytest.mark.parametrize("status", [503, 429])
+async def test_healthz_says_the_model_server_failed_when_its_answer_for_a_model_by_name_is_a_failure(
+    fake_model: FakeModel, tmp_path: Path, status: int
+) -> None:
+    # The catalog does not list the model, and the server fails its answer for it by name: that
+    # is no news that the model is absent (an operator would go looking for a misspelt name).
+    fake_model.models, fake_model.entry_status = ("another-model",), status
+    problems = await model_problems(fake_model, tmp_path, ModelConfig(base_url=fake_model.base_url, max_retries=0))
+    [problem] = problems
+    assert problem.startswith("model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct': "), problem
+    assert "absent" not in problem and "the model service is unavailable" not in problem  # what it said is the log's
+    fake_model.entry_status = 404  # a server with no such route: the model is absent
+    problems = await model_problems(fake_model, tmp_path, ModelConfig(base_url=fake_model.base_url, max_retries=0))
+    assert problems == ["model unavailable: 'qwen3:4b-instruct' is absent from the model server's catalog"]
+
+
 async def test_healthz_reports_a_state_directory_too_full_to_store_a_turn(fake_model: FakeModel, tmp_path: Path) -> None:
     # An empty file can be made on a full disk, so making one proves little; the room left is
     # what a turn needs. Here "too full" is set past what any disk has free.
