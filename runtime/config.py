@@ -392,6 +392,10 @@ SETTINGS: tuple[Setting, ...] = (
         "how long the model may send nothing (keep-alives are nothing): before its answer starts, or between two pieces of it",
     ),  # fmt: skip
     Setting(
+        "model_connect_timeout_s", "AGENT_MODEL_CONNECT_TIMEOUT_S", _positive_float, "--model-connect-timeout-s",
+        "how long a connection to the model server may take to be made (its name looked up and a TLS handshake included)",
+    ),  # fmt: skip
+    Setting(
         "max_model_connections", "AGENT_MAX_MODEL_CONNECTIONS", _positive_int, "--max-model-connections",
         "model requests open at once; more wait their turn",
     ),  # fmt: skip
@@ -428,6 +432,7 @@ class Config:
     max_model_calls: int = 12
     max_model_connections: int = 100
     model_timeout_s: float = 60.0
+    model_connect_timeout_s: float = 5.0
     public_url: str | None = None
     orphans: str = "resume"
     model_check: str = "catalog"

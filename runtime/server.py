@@ -296,6 +296,7 @@ async def _model_clients(config: Config, in_process: InProcessModel | None) -> A
     model_config = ModelConfig(
         base_url=config.model_base_url, model=config.model, api_key=config.model_api_key,
         max_connections=max_connections, read_timeout_s=config.model_timeout_s,
+        connect_timeout_s=config.model_connect_timeout_s,
     )  # fmt: skip
     # Readiness asks the catalog once, not again with backoff, and with a task's connect timeout:
     # a model server that tasks reach is not called unreachable. A request for /healthz does not

@@ -112,6 +112,22 @@ async def test_healthz_whose_model_server_never_answers_a_connection_says_so_aft
     assert "Cancelled" not in caplog.text and "deadline" not in caplog.text
 
 
+async def test_a_task_whose_model_server_makes_no_connection_fails_within_the_connect_timeout_set(tmp_path: Path) -> None:
+    # AGENT_MODEL_CONNECT_TIMEOUT_S: a connect that is not answered is given up on after it (and
+    # tried once more), where the default 5 s would have held the task for 10 s and more.
+    with unanswered_model_url() as url:
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            running_server(tmp_path / "state", url, model_connect_timeout_s=0.3) as server,
+        ):
+            with trio.fail_after(ModelConfig().connect_timeout_s):
+                sent = await rpc(client, server.url, "SendMessage", {"message": user_message("hi")})
+    status = sent["result"]["task"]["status"]
+    assert status["state"] == "TASK_STATE_FAILED", status
+    said_to_client = status["message"]["parts"][0]["text"]
+    assert "no connection to the model server was made within 0.3s" in said_to_client, said_to_client
+
+
 @pytest.mark.parametrize(
     ("serving", "problem"),
     [

@@ -22,6 +22,9 @@ def test_config_defaults_match_a_local_ollama() -> None:
     assert (config.send_timeout_s, config.max_model_connections) == (30.0, 100)
     assert Config.load({"AGENT_MAX_MODEL_CONNECTIONS": "4"}).max_model_connections == 4
     assert (config.model_timeout_s, Config.load({}, {"model_timeout_s": "300"}).model_timeout_s) == (60.0, 300.0)
+    assert config.model_connect_timeout_s == 5.0
+    assert Config.load({"AGENT_MODEL_CONNECT_TIMEOUT_S": "0.5"}).model_connect_timeout_s == 0.5
+    assert Config.load({"AGENT_MODEL_CONNECT_TIMEOUT_S": "0.5"}, {"model_connect_timeout_s": "20"}).model_connect_timeout_s == 20.0
 
 
 def test_config_flags_override_their_environment_variables() -> None:
