@@ -60,6 +60,10 @@ _NO_PATH_HINT = (
 _TOO_LONG_MARKERS = ("context_length_exceeded", "maximum context length", "context length", "context size", "context window")
 _TOO_LONG = "the conversation is longer than the model can read at once"
 _TOO_LONG_HINT = "; send the next message without a contextId, to start a new conversation"
+# Ollama's 500 when a model does not fit in the memory its machine has free ("model requires more
+# system memory (5.5 GiB) than is available (3.2 GiB)"): asked again seconds later it fails the same.
+_NO_ROOM_MARKERS = ("requires more system memory",)
+_NO_ROOM = "the model server has too little memory free to load the model"
 # A redirect is not followed (a POST would be sent again as a GET, a key to another host):
 # the base URL is to say where the server is.
 _REDIRECT_HINT = ": give AGENT_MODEL_BASE_URL (or --model-base-url) the address it leads to, which the log names"
@@ -110,6 +114,10 @@ def failure_of_status(config: ModelConfig, response: httpx.Response, detail: str
     if status == 429:
         error: ModelError = ModelRateLimited(model, retry_after_s=retry_after_s, detail=detail, attempts=attempt)
         return Failure(error, retry=True, retry_after_s=retry_after_s)
+    if status >= 500 and any(marker in detail.lower() for marker in _NO_ROOM_MARKERS):
+        reason = f"{_NO_ROOM} (HTTP {status}); free memory on its machine, or choose a smaller model"
+        error = ModelUnavailable(model, reason, detail=detail, status=status, attempts=attempt, may_pass=False)
+        return Failure(error, retry=False)
     if status >= 500:
         error = ModelUnavailable(model, f"the server answered HTTP {status}", detail=detail, status=status, attempts=attempt)
         return Failure(error, retry=True, retry_after_s=retry_after_s)

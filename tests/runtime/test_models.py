@@ -334,6 +334,25 @@ async def test_connect_error_is_retried_then_succeeds(fake_model: FakeModel) -> 
     assert len(fake_model.bodies) == 1
 
 
+async def test_a_model_its_server_has_no_memory_to_load_fails_at_once_saying_so_and_not_that_it_may_pass(
+    fake_model: FakeModel,
+) -> None:
+    # Ollama answers 500 when the model does not fit in the memory its machine has free; asked
+    # again a second later, it fails the same: the operator has something to change.
+    said = '{"error":"model requires more system memory (5.5 GiB) than is available (3.2 GiB)"}'
+    fake_model.default = ErrorReply(500, body=said)
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model, max_retries=2)) as client:
+            with pytest.raises(ModelUnavailable) as raised:
+                await client.complete(ASK)
+    assert len(fake_model.bodies) == 1
+    assert str(raised.value) == (
+        "model 'qwen3:4b-instruct' is unavailable: the model server has too little memory free to load the model"
+        " (HTTP 500); free memory on its machine, or choose a smaller model"
+    )
+    assert not raised.value.may_pass and "5.5 GiB" in raised.value.detail  # what it said: the log's
+
+
 @pytest.mark.parametrize(("status", "error"), [(429, ModelRateLimited), (500, ModelUnavailable)])
 async def test_retries_are_bounded_and_end_in_a_typed_error(fake_model: FakeModel, status: int, error: type[Exception]) -> None:
     fake_model.default = ErrorReply(status)
