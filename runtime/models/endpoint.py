@@ -133,8 +133,12 @@ class ModelConfig:
     @property
     def server(self) -> str:
         """Which model server this is, as a transcript marks the answers it attached something to
-        (``Message.via``): a digest of ``endpoint``, so that no address is stored with them."""
-        return hashlib.sha256(self.endpoint.encode()).hexdigest()[:16]
+        (``Message.via``): a digest of the origin of ``endpoint`` (its scheme, host and port), so
+        that no address is stored with them. Not of its path, which one server may be given spelt
+        two ways (with ``/v1`` or without, for DeepSeek's), and must not be taken for two: DeepSeek
+        refuses a conversation whose calls come back without their reasoning."""
+        parts = urlsplit(self.endpoint)
+        return hashlib.sha256(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
 
     def scrub(self, text: str) -> str:
         """``text`` (what a server or the transport said) with the secrets of this config masked,

@@ -285,6 +285,17 @@ async def test_the_reasoning_before_a_models_tool_calls_goes_back_with_them_afte
     assert all("reasoning" not in m for m in sent)
 
 
+def test_a_model_server_is_known_by_its_scheme_host_and_port_not_by_how_its_path_is_spelt() -> None:
+    # DeepSeek's API is given as https://api.deepseek.com or with /v1: the same server, which
+    # refuses the conversation if its calls come back without their reasoning.
+    deepseek = ModelConfig(base_url="https://api.deepseek.com").server
+    assert ModelConfig(base_url="https://api.deepseek.com/v1").server == deepseek
+    assert ModelConfig(base_url="https://user:secret@api.deepseek.com/v1?key=k").server == deepseek
+    assert len(deepseek) == 16 and "deepseek" not in deepseek
+    others = ["https://api.openai.com/v1", "http://api.deepseek.com/v1", "https://api.deepseek.com:8443/v1"]
+    assert deepseek not in {ModelConfig(base_url=url).server for url in others}
+
+
 @pytest.mark.parametrize("ignore_stream", [False, True], ids=["streamed", "one-body"])
 async def test_what_a_server_attached_goes_back_to_it_alone_when_the_conversation_moves_to_another(
     fake_model: FakeModel, nursery: trio.Nursery, tmp_path: Path, ignore_stream: bool
