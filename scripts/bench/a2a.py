@@ -375,8 +375,8 @@ def report(
         "ref_memory_rps": memory["rps"],
         "ref_memory_p50_ms": memory["p50_ms"],
         "ref_memory_p99_ms": memory["p99_ms"],
-        "vs_ref_sqlite": round(keel["rps"] / sqlite["rps"], 2) if sqlite["rps"] else None,
-        "vs_ref_memory": round(keel["rps"] / memory["rps"], 2) if memory["rps"] else None,
+        "vs_ref_sqlite": round(keel["rps"] / sqlite["rps"], 3) if sqlite["rps"] else None,
+        "vs_ref_memory": round(keel["rps"] / memory["rps"], 3) if memory["rps"] else None,
         **cancel,
         "clients": args.clients,
         "seconds": args.seconds,
@@ -391,9 +391,9 @@ def report(
         "cpus": os.cpu_count(),
     }
     met = {}
-    for ratio in ("vs_ref_sqlite", "vs_ref_memory"):
-        if result[ratio] is not None:
-            met[ratio] = result[ratio] >= TARGETS[ratio]
+    for ratio, reference in (("vs_ref_sqlite", sqlite), ("vs_ref_memory", memory)):
+        if reference["rps"]:  # judged unrounded: 1.4953 is shown as 1.495, and misses 1.5
+            met[ratio] = keel["rps"] >= TARGETS[ratio] * reference["rps"]
     if cancel:
         met["cancel_ms_p99"] = cancel["cancel_ms_p99"] <= TARGETS["cancel_ms_p99"]
     result["targets_met"] = met
