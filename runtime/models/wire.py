@@ -26,7 +26,7 @@ from runtime.models.values import ChatRequest, Completion, ToolSpec, Usage
 SAID_CHARS = 8000
 
 
-def request_body(request: ChatRequest, *, model: str, stream: bool, server: str = "") -> dict[str, Any]:
+def request_body(request: ChatRequest, *, model: str, stream: bool, server: str) -> dict[str, Any]:
     """The JSON body of ``POST /chat/completions`` for ``request``, to the model server
     ``server`` (``ModelConfig.server``): what another server attached to its answers is left out.
 
@@ -51,7 +51,7 @@ def request_body(request: ChatRequest, *, model: str, stream: bool, server: str 
     return body
 
 
-def message_to_wire(index: int, message: Message, server: str = "") -> dict[str, Any]:
+def message_to_wire(index: int, message: Message, server: str) -> dict[str, Any]:
     """``message`` as the API takes it. What a server attached to it (reasoning before its tool
     calls, ``extra_content`` on them) goes only to that server (``message.via``), or to any when the
     message does not say (stored by an earlier build): another may refuse a field it does not know."""

@@ -43,8 +43,8 @@ NOT_STARTED = "the A2A server has not started"
 DEFAULT_PROBE_TIMEOUT_S = 5.0
 # How long a request waits for the model catalog check it set going (an answer on a working link
 # comes in milliseconds), before it answers with what the last check found: the check itself
-# takes as long as a task's connection may (AGENT_MODEL_CONNECT_TIMEOUT_S), and a load balancer's probe may
-# allow 1 s. The bound on the check itself, whatever the catalog client's timeouts.
+# takes as long as a task's connection may (AGENT_MODEL_CONNECT_TIMEOUT_S), and a load balancer's
+# probe may allow 1 s. The bound on the check itself, whatever the catalog client's timeouts.
 MODEL_WAIT_S = 0.5
 MODEL_CHECK_MAX_S = 30.0
 MODEL_CHECK_PENDING = "the model catalog check has not finished yet"

@@ -233,7 +233,7 @@ def test_request_body_carries_roles_tool_calls_and_raw_arguments() -> None:
         temperature=0.2,
         max_tokens=256,
     )
-    assert request_body(request, model="qwen3:4b-instruct", stream=True) == {
+    assert request_body(request, model="qwen3:4b-instruct", stream=True, server="") == {
         "model": "qwen3:4b-instruct",
         "messages": [
             {"role": "system", "content": "You are on call."},
@@ -266,7 +266,7 @@ def test_request_body_sends_user_messages_next_to_each_other_as_one_so_that_role
             Message(role="user", text="And I am Ben.", name="ben"),
         ]
     )
-    assert request_body(request, model="m", stream=False)["messages"] == [
+    assert request_body(request, model="m", stream=False, server="")["messages"] == [
         {"role": "user", "content": "Is the vault up?\n\n[sent while the agent was working] Check the lease too."},
         {"role": "assistant", "content": "It is degraded."},
         {"role": "user", "content": "Why?"},
@@ -279,7 +279,7 @@ def test_request_body_sends_user_messages_next_to_each_other_as_one_so_that_role
 def test_request_body_refuses_a_tool_result_that_names_no_call() -> None:
     request = ChatRequest([Message(role="user", text="hi"), Message(role="tool", text="result")])
     with pytest.raises(ValueError, match="message 1 is a tool result without a tool_call_id"):
-        request_body(request, model="m", stream=False)
+        request_body(request, model="m", stream=False, server="")
 
 
 def test_request_values_refuse_what_the_api_would_refuse() -> None:
