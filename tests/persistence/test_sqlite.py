@@ -750,6 +750,83 @@ async def test_a_log_removed_under_its_store_takes_no_writes(tmp_path: Path) -> 
         assert [row[0] for row in conn.execute("SELECT content FROM events")] == ['{"n":1}']
 
 
+def held_on(*paths: Path) -> list[str]:
+    """Which of ``paths`` this process holds ``O_PATH`` descriptors on (not SQLite's own, which
+    read and write), as the kernel names them: one name per descriptor (Linux)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+            flags = Path(f"/proc/self/fdinfo/{fd}").read_text().split("flags:")[1].split()[0]
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if name in map(str, paths) and int(flags, 8) & os.O_PATH:
+            names.append(name)
+    return sorted(names)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux names descriptors in /proc")
+async def test_a_store_checks_its_files_for_each_write_without_asking_for_their_attributes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stat of the -wal makes the next write to it stamp its times at fine grain (Linux 6.13
+    # on): an inode update for every commit. The check reads the names of descriptors held on
+    # the files instead, and finds a file moved away and put back all the same.
+    path = tmp_path / "runtime.db"
+    log = tmp_path / "runtime.db-wal"
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def stat(target: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        stats.append(os.fsdecode(target) if isinstance(target, (str, bytes, os.PathLike)) else f"fd {target}")
+        return real_stat(target, *args, **kwargs)
+
+    async with open_session_store(path) as store:
+        assert held_on(path, log) == [str(path), str(log)]  # while the store is open
+        monkeypatch.setattr(os, "stat", stat)
+        for n in range(3):
+            await store.append("s", [f'{{"n":{n}}}'])
+        assert not [target for target in stats if target in (str(path), str(log))], stats
+        log.rename(tmp_path / "moved.db-wal")
+        with pytest.raises(DatabaseFailed, match=r"runtime\.db-wal: the database's write-ahead log was removed or replaced"):
+            await store.append("s", ['{"n":3}'])
+        (tmp_path / "moved.db-wal").rename(log)
+        await store.append("s", ['{"n":4}'])
+        monkeypatch.undo()
+    assert held_on(path, log) == []  # released as the store closed
+    with closing(sqlite3.connect(path)) as conn:
+        assert [row[0] for row in conn.execute("SELECT content FROM events")] == [f'{{"n":{n}}}' for n in (0, 1, 2, 4)]
+
+
+async def test_where_no_descriptor_is_named_a_store_compares_its_files_at_their_paths(tmp_path: Path) -> None:
+    # The check other platforms make: the device and inode at each path, against those opened.
+    from persistence.errors import DatabaseGone
+    from persistence.sqlite import _Watch
+
+    path = tmp_path / "runtime.db"
+    async with open_session_store(path):
+        pass  # made with its schema
+    conn = connect(path)
+    opened = [os.stat(name) for name in (path, tmp_path / "runtime.db-wal")]
+    watched = tuple(_Watch(os.fspath(name), log, (found.st_dev, found.st_ino)) for name, log, found in zip(
+        (path, tmp_path / "runtime.db-wal"), (False, True), opened, strict=True
+    ))
+    pool = SqlitePool(path=path, conn=conn, watched=watched)
+    try:
+        await pool.run(lambda conn: conn.execute("INSERT INTO app_states VALUES ('a', '{}', 0)") and conn.commit())
+        pool.check_file()
+        path.rename(tmp_path / "moved.db")
+        with pytest.raises(DatabaseGone, match=r"runtime\.db: the database file was removed or replaced"):
+            pool.check_file()
+        (tmp_path / "moved.db").rename(path)
+        pool.check_file()
+        (tmp_path / "runtime.db-wal").unlink()
+        with pytest.raises(DatabaseGone, match=r"runtime\.db-wal: the database's write-ahead log was removed or replaced"):
+            pool.check_file()
+    finally:
+        await pool.aclose()
+
+
 async def append_waiting(store: SqliteSessionStore) -> None:
     """An append that waits on another program's lock; what becomes of it is not this test's."""
     from persistence.errors import DatabaseFailed, StoreClosed
