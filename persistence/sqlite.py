@@ -563,7 +563,10 @@ class SqlitePool:
 
     def check_sound(self) -> None:
         """``check_file``, and DatabaseDamaged if a call found the file damaged since it opened:
-        the readiness probe's check of the file the server has open. Blocking, as check_file."""
+        the readiness probe's check of the file the server has open; StoreClosed once the pool
+        is closed (the descriptors it checks are closed with it). Blocking, as check_file."""
+        if self._closed:
+            raise StoreClosed(str(self.path))
         self.check_file()
         if self._damaged:
             raise DatabaseDamaged(self.path)  # as logged when a call found it so

@@ -20,7 +20,9 @@ import pytest
 import trio
 import trio.testing
 
-from persistence.errors import DatabaseBusy, DatabaseDamaged, DatabaseFailed, SchemaError, TranscriptConflict, UnreadableSession
+from persistence.errors import (
+    DatabaseBusy, DatabaseDamaged, DatabaseFailed, SchemaError, StoreClosed, TranscriptConflict, UnreadableSession,
+)
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
@@ -794,6 +796,8 @@ async def test_a_store_checks_its_files_for_each_write_without_asking_for_their_
         await store.append("s", ['{"n":4}'])
         monkeypatch.undo()
     assert held_on(path, log) == []  # released as the store closed
+    with pytest.raises(StoreClosed):  # a probe after that says so, not that the files went
+        store.pool.check_sound()
     with closing(sqlite3.connect(path)) as conn:
         assert [row[0] for row in conn.execute("SELECT content FROM events")] == [f'{{"n":{n}}}' for n in (0, 1, 2, 4)]
 
