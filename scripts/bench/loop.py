@@ -6,7 +6,12 @@ store on a temporary file). Prints one JSON object as its last line:
 
 - ``step_overhead_us``: median time of one step (StepStarted to the next StepStarted: the model's
   zero-latency answer, one tool call, the steers taken and the transcript saved), with a session
-  at the product default ``synchronous=FULL``. The same figure at NORMAL and with no session.
+  at the product default ``synchronous=FULL``, in a new database. The same figure at NORMAL and
+  with no session.
+- ``step_overhead_us_steady``: the same, FULL, once the database's -wal has been written through
+  (``wrap_log``), as in a server that has been running: a new -wal grows with every commit, and a
+  commit that grows its file syncs the file's new size too; once SQLite has checkpointed and gone
+  back to its start, commits write over what is there.
 - ``steps_per_s``: steps over wall time across all timed runs, FULL.
 - ``store_round_trip_us``: median of what the store alone takes per step (the save and the take
   of the steers in one transaction), so that the loop's own share is the difference.
@@ -137,6 +142,25 @@ async def store_round_trips(store: Any, count: int) -> list[float]:
     return durations
 
 
+LOG_CHUNK = 100  # saves between two looks at the -wal's size
+MAX_LOG_CHUNKS = 100  # then it is taken as it is: a -wal that never goes back to its start (a reader holds it)
+
+
+async def wrap_log(store: Any, path: Path) -> None:
+    """Save steps until the -wal beside ``path`` no longer grows: SQLite has checkpointed it and
+    writes over it from its start, as it does in a server that has been running."""
+    log = path.with_name(path.name + "-wal")
+    session = Session.open("wrap-log", store)
+    transcript = list(QUESTION)
+    for chunk in range(MAX_LOG_CHUNKS):
+        size = os.path.getsize(log)
+        for n in range(LOG_CHUNK):
+            transcript += step_messages(chunk * LOG_CHUNK + n)
+            await session.save(transcript)
+        if os.path.getsize(log) <= size:
+            return
+
+
 def commit_floor(path: Path, synchronous: str, count: int) -> float:
     """Median seconds for plain sqlite3, in this thread, to insert a step's two events (the
     same contents the loop saves) and commit: the disk's and SQLite's share of a step."""
@@ -185,12 +209,16 @@ def p99(values: list[float]) -> float:
 async def measure(tmp: Path, runs: int, steps: int, cancels: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for synchronous in ("FULL", "NORMAL"):
-        async with open_session_store(tmp / f"runtime-{synchronous}.db", synchronous=synchronous) as store:
+        path = tmp / f"runtime-{synchronous}.db"
+        async with open_session_store(path, synchronous=synchronous) as store:
             durations, wall = await time_steps(store, runs, steps, synchronous)
             results[synchronous] = (statistics.median(durations), runs * steps / wall)
             results[f"store-{synchronous}"] = statistics.median(await store_round_trips(store, runs * steps // 2))
             if synchronous == "FULL":
                 results["cancel"] = await cancel_latencies(store, cancels)
+                await wrap_log(store, path)
+                durations, _ = await time_steps(store, runs, steps, "steady")
+                results["steady"] = statistics.median(durations)
     durations, wall = await time_steps(None, runs, steps, "none")
     results["none"] = (statistics.median(durations), runs * steps / wall)
     count = runs * steps // 2
@@ -220,6 +248,7 @@ def main() -> None:
         "cancel_latency_ms_p99": round(p99(r["cancel"]) * 1e3, 3),
         "synchronous": "FULL",
         "store_round_trip_us": round(r["store-FULL"] * 1e6, 1),
+        "step_overhead_us_steady": round(r["steady"] * 1e6, 1),
         "step_overhead_us_normal": round(r["NORMAL"][0] * 1e6, 1),
         "store_round_trip_us_normal": round(r["store-NORMAL"] * 1e6, 1),
         "steps_per_s_normal": round(r["NORMAL"][1]),

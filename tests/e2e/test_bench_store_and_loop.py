@@ -45,7 +45,7 @@ def test_the_store_benchmark_reports_its_ratio_growth_and_a_plain_group_commit_b
 def test_the_loop_benchmark_reports_steps_cancels_and_the_floor_under_a_step() -> None:
     report = run_bench("loop.py", "--runs", "2", "--steps", "3", "--cancels", "200")
     positive(
-        report, "step_overhead_us", "steps_per_s", "cancel_latency_ms_p99", "step_overhead_us_normal",
+        report, "step_overhead_us", "steps_per_s", "cancel_latency_ms_p99", "step_overhead_us_steady", "step_overhead_us_normal",
         "step_overhead_us_no_session", "store_round_trip_us", "commit_floor_us", "commit_floor_us_normal",
         "thread_round_trip_us", "step_floor_us",
     )  # fmt: skip
