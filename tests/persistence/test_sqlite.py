@@ -808,25 +808,34 @@ async def test_where_no_descriptor_is_named_a_store_compares_its_files_at_their_
     from persistence.sqlite import _Watch
 
     path = tmp_path / "runtime.db"
+    log = tmp_path / "runtime.db-wal"
     async with open_session_store(path):
         pass  # made with its schema
     conn = connect(path)
-    opened = [os.stat(name) for name in (path, tmp_path / "runtime.db-wal")]
-    watched = tuple(_Watch(os.fspath(name), log, (found.st_dev, found.st_ino)) for name, log, found in zip(
-        (path, tmp_path / "runtime.db-wal"), (False, True), opened, strict=True
-    ))
+    watched = tuple(
+        _Watch(os.fspath(name), is_log, (found.st_dev, found.st_ino))
+        for name, is_log, found in zip((path, log), (False, True), map(os.stat, (path, log)), strict=True)
+    )
     pool = SqlitePool(path=path, conn=conn, watched=watched)
+
+    def write(conn: sqlite3.Connection) -> None:
+        with conn:
+            conn.execute("INSERT INTO app_states VALUES ('a', '{}', 0)")
+
+    async def check() -> None:
+        await trio.to_thread.run_sync(pool.check_file)
+
     try:
-        await pool.run(lambda conn: conn.execute("INSERT INTO app_states VALUES ('a', '{}', 0)") and conn.commit())
-        pool.check_file()
+        await pool.run(write)
+        await check()
         path.rename(tmp_path / "moved.db")
         with pytest.raises(DatabaseGone, match=r"runtime\.db: the database file was removed or replaced"):
-            pool.check_file()
+            await check()
         (tmp_path / "moved.db").rename(path)
-        pool.check_file()
-        (tmp_path / "runtime.db-wal").unlink()
+        await check()
+        log.unlink()
         with pytest.raises(DatabaseGone, match=r"runtime\.db-wal: the database's write-ahead log was removed or replaced"):
-            pool.check_file()
+            await check()
     finally:
         await pool.aclose()
 
