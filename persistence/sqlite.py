@@ -463,7 +463,9 @@ class _Watch:
 
     path: str
     log: bool  # the -wal, rather than the database file itself
-    opened: tuple[int, int] | None = None  # (device, inode) of the file opened; None: not known to have been there
+    # Where descriptors are not named: the (device, inode) of the file opened; None, not known
+    # to have been there.
+    opened: tuple[int, int] | None = None
     fd: int | None = None  # held on the file opened, where the platform names descriptors (Linux)
     name: str | None = None  # what the kernel named ``fd`` as it was opened
 
@@ -472,14 +474,14 @@ class _Watch:
         """The watch of the file now at ``path``. Blocking; raises OSError if there is none."""
         if not hasattr(os, "O_PATH") or not os.path.isdir(_FD_NAMES):
             found = os.stat(path)
-            return cls(os.fspath(path), log, (found.st_dev, found.st_ino))
+            return cls(os.fspath(path), log, opened=(found.st_dev, found.st_ino))
         fd = os.open(path, os.O_PATH)
         try:
-            found, name = os.stat(fd), os.readlink(f"{_FD_NAMES}/{fd}")
+            name = os.readlink(f"{_FD_NAMES}/{fd}")
         except BaseException:
             os.close(fd)
             raise
-        return cls(os.fspath(path), log, (found.st_dev, found.st_ino), fd, name)
+        return cls(os.fspath(path), log, fd=fd, name=name)
 
     def there(self) -> bool:
         """Whether the file opened is still at its path. Blocking: one readlink, or one stat."""

@@ -50,5 +50,6 @@ def test_the_loop_benchmark_reports_steps_cancels_and_the_floor_under_a_step() -
         "thread_round_trip_us", "step_floor_us",
     )  # fmt: skip
     assert report["cancel_runs"] == 200
+    assert report["log_written_through"] is True
     assert report["step_floor_us"] > report["commit_floor_us"] + report["thread_round_trip_us"]
     assert isinstance(report["meets_step_target"], bool) and isinstance(report["meets_cancel_target"], bool)
