@@ -8,11 +8,12 @@ store on a temporary file). Prints one JSON object as its last line:
   zero-latency answer, one tool call, the steers taken and the transcript saved), with a session
   at the product default ``synchronous=FULL``, in a new database. The same figure at NORMAL and
   with no session.
-- ``step_overhead_us_steady``: the same, FULL, once the database's -wal has been written through
-  (``wrap_log``), as in a server that has been running: a new -wal grows with every commit, and a
-  commit that grows its file syncs the file's new size too; once SQLite has checkpointed and gone
-  back to its start, commits write over what is there. ``log_written_through`` says whether it
-  had gone back (false: timed all the same, after 10,000 saves).
+- ``step_overhead_us_steady``: the same, FULL, once SQLite has started the database's -wal over
+  from its start (``wrap_log``: a checkpoint caught up), as in a server that has been running.
+  The store writes a new database's -wal out with zeros to the size it reaches before that
+  (persistence.sqlite.write_out_log), so that in both regimes commits write over what is there
+  rather than grow the file (which syncs its new size too). ``log_written_through`` says
+  whether the -wal had been started over (false: timed all the same, after 10,000 saves).
 - ``steps_per_s``: steps over wall time across all timed runs, FULL.
 - ``store_round_trip_us``: median of what the store alone takes per step (the save and the take
   of the steers in one transaction), so that the loop's own share is the difference.
@@ -21,10 +22,12 @@ store on a temporary file). Prints one JSON object as its last line:
   over ``--cancels`` runs with a FULL session; also with no session.
 - the floor under a step, measured in the same run: ``commit_floor_us`` (FULL; also NORMAL), the
   median of plain sqlite3 in one thread inserting a step's two events and committing, with the
-  store's own settings and table; ``thread_round_trip_us``, the median of a call that does
-  nothing, made through a store's database thread and back; and ``step_floor_us``, their sum
-  plus the step with no session: what a step that saves before every model request would cost
-  if the store added nothing to the commit and the hand-off.
+  store's own settings, table and -wal written out (``commit_floor_us_growing_log``: FULL, with
+  a -wal left to grow at each commit, as it was before the store wrote it out);
+  ``thread_round_trip_us``, the median of a call that does nothing, made through a store's
+  database thread and back; and ``step_floor_us``, their sum plus the step with no session: what
+  a step that saves before every model request would cost if the store added nothing to the
+  commit and the hand-off.
 
     python scripts/bench/loop.py [--runs N] [--steps N] [--cancels N]
 """
@@ -32,6 +35,7 @@ store on a temporary file). Prints one JSON object as its last line:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,7 +49,7 @@ from instant_model import ARGUMENTS, InstantModel
 
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, open_session_store
-from persistence.sqlite import SqlitePool, connect, migrate
+from persistence.sqlite import SqlitePool, connect, migrate, write_out_log
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentEvent, AgentRun, AgentSpec, StepStarted, TextDelta, Tool
 
@@ -143,34 +147,44 @@ async def store_round_trips(store: Any, count: int) -> list[float]:
     return durations
 
 
-LOG_CHUNK = 100  # saves between two looks at the -wal's size
-MAX_LOG_CHUNKS = 100  # then it is taken as it is: a -wal that never goes back to its start (a reader holds it)
+LOG_CHUNK = 100  # saves between two looks at the -wal's header
+MAX_LOG_CHUNKS = 100  # then it is taken as it is: a -wal that is never started over (a reader holds it)
+
+
+def log_salts(log: Path) -> bytes:
+    """The salts in a -wal's header (sqlite.org/fileformat2.html): new each time SQLite starts
+    the -wal over from its start."""
+    with log.open("rb") as file:
+        return file.read(24)[16:]
 
 
 async def wrap_log(store: Any, path: Path) -> bool:
-    """Save steps until the -wal beside ``path`` no longer grows: SQLite has checkpointed it and
-    writes over it from its start, as it does in a server that has been running. False if it
-    still grew after MAX_LOG_CHUNKS chunks."""
+    """Save steps until SQLite has started the -wal beside ``path`` over from its start (a
+    checkpoint caught up), as it does in a server that has been running. False if it had not
+    after MAX_LOG_CHUNKS chunks."""
     log = path.with_name(path.name + "-wal")
     session = Session.open("wrap-log", store)
     transcript = list(QUESTION)
+    salts = log_salts(log)
     for chunk in range(MAX_LOG_CHUNKS):
-        size = os.path.getsize(log)
         for n in range(LOG_CHUNK):
             transcript += step_messages(chunk * LOG_CHUNK + n)
             await session.save(transcript)
-        if os.path.getsize(log) <= size:
+        if log_salts(log) != salts:
             return True
     return False
 
 
-def commit_floor(path: Path, synchronous: str, count: int) -> float:
+def commit_floor(path: Path, synchronous: str, count: int, *, written_out: bool = True) -> float:
     """Median seconds for plain sqlite3, in this thread, to insert a step's two events (the
-    same contents the loop saves) and commit: the disk's and SQLite's share of a step."""
+    same contents the loop saves) and commit: the disk's and SQLite's share of a step. The -wal
+    is written out first, as the store writes out its own, unless ``written_out`` is false."""
     contents = [message.to_json() for message in step_messages(0)]
     conn = connect(path, synchronous=synchronous)
     try:
         migrate(path, conn, SESSIONS_SCHEMA)
+        if written_out:
+            write_out_log(path, conn)
         conn.execute("INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES ('floor', 'keel', '', 0, 0)")
         durations = []
         for n in range(count):
@@ -227,6 +241,8 @@ async def measure(tmp: Path, runs: int, steps: int, cancels: int) -> dict[str, A
     count = runs * steps // 2
     for synchronous in ("FULL", "NORMAL"):
         results[f"floor-{synchronous}"] = await trio.to_thread.run_sync(commit_floor, tmp / f"floor-{synchronous}.db", synchronous, count)
+    growing = functools.partial(commit_floor, tmp / "floor-growing.db", "FULL", count, written_out=False)
+    results["floor-growing"] = await trio.to_thread.run_sync(growing)
     results["hop"] = await thread_round_trip(tmp / "hop.db", count)
     results["cancel_none"] = await cancel_latencies(None, cancels)
     return results
@@ -260,6 +276,7 @@ def main() -> None:
         "steps_per_s_no_session": round(r["none"][1]),
         "commit_floor_us": round(r["floor-FULL"] * 1e6, 1),
         "commit_floor_us_normal": round(r["floor-NORMAL"] * 1e6, 1),
+        "commit_floor_us_growing_log": round(r["floor-growing"] * 1e6, 1),
         "thread_round_trip_us": round(r["hop"] * 1e6, 1),
         "step_floor_us": round((r["floor-FULL"] + r["hop"] + r["none"][0]) * 1e6, 1),
         "cancel_latency_ms_median": round(statistics.median(r["cancel"]) * 1e3, 3),

@@ -47,7 +47,7 @@ def test_the_loop_benchmark_reports_steps_cancels_and_the_floor_under_a_step() -
     positive(
         report, "step_overhead_us", "steps_per_s", "cancel_latency_ms_p99", "step_overhead_us_steady", "step_overhead_us_normal",
         "step_overhead_us_no_session", "store_round_trip_us", "commit_floor_us", "commit_floor_us_normal",
-        "thread_round_trip_us", "step_floor_us",
+        "thread_round_trip_us", "step_floor_us", "commit_floor_us_growing_log",
     )  # fmt: skip
     assert report["cancel_runs"] == 200
     assert report["log_written_through"] is True

@@ -26,7 +26,7 @@ from persistence.errors import (
 from persistence.schema import SchemaIdentity, read_identity, write_identity_txn
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, SqliteSessionStore, open_session_store
-from persistence.sqlite import Schema, SqlitePool, connect, inspect, transaction
+from persistence.sqlite import Schema, SqlitePool, connect, inspect, log_size, transaction
 from persistence.writer import GroupCommitWriter
 from persistence.tasks import TASKS_SCHEMA, open_task_store
 from persistence.transcript import Message
@@ -34,7 +34,7 @@ from persistence.transcript import Message
 from runtime.runner import ANONYMOUS
 from tests.e2e.test_damaged_databases import flip, left_to_run, page_holding
 from tests.persistence import crash_writer
-from tests.persistence.state_helpers import another_users
+from tests.persistence.state_helpers import another_users, small_disk
 
 
 def pragma(path: Path, name: str) -> object:
@@ -800,6 +800,65 @@ async def test_a_store_checks_its_files_for_each_write_without_asking_for_their_
         store.pool.check_sound()
     with closing(sqlite3.connect(path)) as conn:
         assert [row[0] for row in conn.execute("SELECT content FROM events")] == [f'{{"n":{n}}}' for n in (0, 1, 2, 4)]
+
+
+def log_size_of(path: Path) -> int:
+    with closing(sqlite3.connect(path)) as conn:
+        return log_size(conn)
+
+
+async def test_a_new_databases_log_is_written_out_so_that_commits_do_not_grow_it(tmp_path: Path) -> None:
+    # A commit that grows the -wal syncs its size too: twice the time of one written over
+    # what is there. The pool writes the -wal out to the size a checkpoint starts it over at;
+    # what is committed into it survives a crash (the files copied while the store is open, as
+    # a SIGKILL leaves them), the zeros past it never read as frames.
+    path = tmp_path / "runtime.db"
+    log = tmp_path / "runtime.db-wal"
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    async with open_session_store(path) as store:
+        written_out = log.stat().st_size
+        assert written_out == log_size_of(path) > 4_000_000
+        for n in range(200):
+            await store.append("s", [f'{{"n":{n}}}'])
+        assert log.stat().st_size == written_out
+        for name in (path.name, log.name):
+            (crashed / name).write_bytes((tmp_path / name).read_bytes())
+    async with open_session_store(crashed / "runtime.db") as store:
+        assert [event.content for event in await store.events("s")] == [f'{{"n":{n}}}' for n in range(200)]
+    with closing(sqlite3.connect(crashed / "runtime.db")) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_a_disk_without_room_to_spare_is_not_filled_with_a_logs_zeros(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "small", "2m") as small:
+        path = small / "runtime.db"
+        async with open_session_store(path) as store:
+            assert (small / "runtime.db-wal").stat().st_size < 100_000 < log_size_of(path)
+            await store.append("s", ['{"n":0}'])
+            assert [event.content for event in await store.events("s")] == ['{"n":0}']
+
+
+async def test_zeros_a_disk_could_not_take_after_all_are_cut_off_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The room is read before writing, and another program may take it meanwhile: the disk
+    # reads as roomy here, and fills midway. The -wal is cut back to where it was, and the
+    # store writes into the room that leaves.
+    real_fstatvfs = os.fstatvfs
+
+    def roomy(fd: int) -> os.statvfs_result:
+        found = real_fstatvfs(fd)
+        return os.statvfs_result((*found[:4], 1 << 40, *found[5:]))  # f_bavail: a terabyte
+
+    with small_disk(tmp_path / "small", "2m") as small:
+        path = small / "runtime.db"
+        monkeypatch.setattr(os, "fstatvfs", roomy)
+        async with open_session_store(path) as store:
+            monkeypatch.undo()
+            assert (small / "runtime.db-wal").stat().st_size < 100_000
+            await store.append("s", ['{"n":0}'])
+            assert [event.content for event in await store.events("s")] == ['{"n":0}']
 
 
 async def test_where_no_descriptor_is_named_a_store_compares_its_files_at_their_paths(tmp_path: Path) -> None:
