@@ -25,7 +25,7 @@ import trio
 
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, open_session_store
-from persistence.sqlite import connect, migrate
+from persistence.sqlite import connect, migrate, write_out_log
 from persistence.transcript import Message
 
 APPENDERS = 64
@@ -57,9 +57,11 @@ INSERT_EVENT = "INSERT INTO events (session_id, seq, author, created_at_ms, cont
 
 
 def plain_database(path: Path) -> sqlite3.Connection:
-    """The very tables the store writes, indexes and all, with the appenders' sessions."""
+    """The very tables the store writes, indexes and all, with the appenders' sessions, in a
+    file set up as the store sets up its own (settings, and the -wal written out)."""
     conn = connect(path, synchronous="FULL")
     migrate(path, conn, SESSIONS_SCHEMA)
+    write_out_log(path, conn)
     conn.executemany(
         "INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES (?, 'keel', '', 0, 0)",
         [(f"session-{k}",) for k in range(APPENDERS)],
