@@ -426,14 +426,24 @@ def write_out_log(path: Path, conn: sqlite3.Connection) -> None:
     only saves time, and must never be what fills a disk.
     """
     size = log_size(conn)
+    if not size:  # checkpoints by hand only: no size the -wal comes back to
+        return
     try:
         begin_immediate(conn)
     except sqlite3.Error:  # another process writing past the busy timeout: its writes go on as before
         return
     try:
-        fd = os.open(_log_of(path), os.O_WRONLY | os.O_CLOEXEC)  # never made here: SQLite makes it
-    except OSError:
+        _write_zeros(_log_of(path), size)
+    finally:
         conn.rollback()
+
+
+def _write_zeros(log: Path, size: int) -> None:
+    """Zeros from the end of ``log`` to ``size``, synced; none where the disk has not that and
+    ``LOG_ROOM`` to spare, and those it could not take after all cut off again."""
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CLOEXEC)  # never made here: SQLite makes it
+    except OSError:
         return
     try:
         start = end = os.lseek(fd, 0, os.SEEK_END)
@@ -449,7 +459,6 @@ def write_out_log(path: Path, conn: sqlite3.Connection) -> None:
                 os.ftruncate(fd, start)
     finally:
         os.close(fd)
-        conn.rollback()
 
 
 def _log_is_other(path: Path, found: SchemaIdentity) -> bool:

@@ -165,12 +165,12 @@ async def wrap_log(store: Any, path: Path) -> bool:
     log = path.with_name(path.name + "-wal")
     session = Session.open("wrap-log", store)
     transcript = list(QUESTION)
-    salts = log_salts(log)
+    salts = await trio.to_thread.run_sync(log_salts, log)
     for chunk in range(MAX_LOG_CHUNKS):
         for n in range(LOG_CHUNK):
             transcript += step_messages(chunk * LOG_CHUNK + n)
             await session.save(transcript)
-        if log_salts(log) != salts:
+        if await trio.to_thread.run_sync(log_salts, log) != salts:
             return True
     return False
 
