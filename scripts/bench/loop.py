@@ -25,9 +25,12 @@ store on a temporary file). Prints one JSON object as its last line:
   store's own settings, table and -wal written out (``commit_floor_us_growing_log``: FULL, with
   a -wal left to grow at each commit, as it was before the store wrote it out);
   ``thread_round_trip_us``, the median of a call that does nothing, made through a store's
-  database thread and back; and ``step_floor_us``, their sum plus the step with no session: what
-  a step that saves before every model request would cost if the store added nothing to the
-  commit and the hand-off.
+  database thread and back, back to back; ``commit_round_trip_us``, the same plain commit made
+  through a store's database thread and back with a step's own work between two, as a step
+  makes its save (so the threads wake from idle, which on a virtual machine can cost more
+  than the commit); and ``step_floor_us``, that plus the step with no session: what a step
+  that saves before every model request would cost if the store added nothing to the commit
+  and the hand-off.
 
     python scripts/bench/loop.py [--runs N] [--steps N] [--cancels N]
 """
@@ -38,6 +41,7 @@ import argparse
 import functools
 import json
 import os
+import sqlite3
 import statistics
 import tempfile
 import time
@@ -147,6 +151,7 @@ async def store_round_trips(store: Any, count: int) -> list[float]:
     return durations
 
 
+STEP_WORK_S = 60e-6  # the loop's own work in a step, about (step_overhead_us_no_session)
 LOG_CHUNK = 100  # saves between two looks at the -wal's header
 MAX_LOG_CHUNKS = 100  # then it is taken as it is: a -wal that is never started over (a reader holds it)
 
@@ -175,6 +180,27 @@ async def wrap_log(store: Any, path: Path) -> bool:
     return False
 
 
+def _insert_step(conn: sqlite3.Connection, n: int, contents: list[str]) -> None:
+    """Insert step ``n``'s two events (plain sqlite3) and commit."""
+    conn.execute("BEGIN IMMEDIATE")
+    conn.executemany(
+        "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES ('floor', ?, 'agent', 0, ?)",
+        [(2 * n + i, content) for i, content in enumerate(contents)],
+    )
+    conn.execute("COMMIT")
+
+
+def busy(seconds: float) -> None:
+    """Compute for ``seconds`` (standing for the loop's own work), not sleep."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _add_floor_session(conn: sqlite3.Connection) -> None:
+    conn.execute("INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES ('floor', 'keel', '', 0, 0)")
+
+
 def commit_floor(path: Path, synchronous: str, count: int, *, written_out: bool = True) -> float:
     """Median seconds for plain sqlite3, in this thread, to insert a step's two events (the
     same contents the loop saves) and commit: the disk's and SQLite's share of a step. The -wal
@@ -185,19 +211,36 @@ def commit_floor(path: Path, synchronous: str, count: int, *, written_out: bool 
         migrate(path, conn, SESSIONS_SCHEMA)
         if written_out:
             write_out_log(path, conn)
-        conn.execute("INSERT INTO sessions (session_id, app_name, user_id, created_at_ms, updated_at_ms) VALUES ('floor', 'keel', '', 0, 0)")
+        _add_floor_session(conn)
         durations = []
         for n in range(count):
             start = time.perf_counter()
-            conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(
-                "INSERT INTO events (session_id, seq, author, created_at_ms, content) VALUES ('floor', ?, 'agent', 0, ?)",
-                [(2 * n + i, content) for i, content in enumerate(contents)],
-            )
-            conn.execute("COMMIT")
+            _insert_step(conn, n, contents)
             durations.append(time.perf_counter() - start)
     finally:
         conn.close()
+    return statistics.median(durations)
+
+
+async def commit_round_trip(path: Path, count: int) -> float:
+    """Median seconds of the same plain commit (FULL) made from the Trio thread as a step makes
+    its save: through a store's database thread and back, one at a time with the loop's own
+    work of a step between two (``STEP_WORK_S`` of computing in the Trio thread, while the
+    database's thread idles). What a save would cost if the store added nothing to the commit
+    and the hand-off: unlike ``commit_floor`` plus ``thread_round_trip``, each timed back to
+    back, it pays for the threads waking from idle, as a step's save does."""
+    contents = [message.to_json() for message in step_messages(0)]
+    pool = await SqlitePool.open(path, SESSIONS_SCHEMA)
+    try:
+        await pool.run(_add_floor_session)
+        durations = []
+        for n in range(count):
+            busy(STEP_WORK_S)
+            start = time.perf_counter()
+            await pool.run(_insert_step, n, contents)
+            durations.append(time.perf_counter() - start)
+    finally:
+        await pool.aclose()
     return statistics.median(durations)
 
 
@@ -244,6 +287,7 @@ async def measure(tmp: Path, runs: int, steps: int, cancels: int) -> dict[str, A
     growing = functools.partial(commit_floor, tmp / "floor-growing.db", "FULL", count, written_out=False)
     results["floor-growing"] = await trio.to_thread.run_sync(growing)
     results["hop"] = await thread_round_trip(tmp / "hop.db", count)
+    results["commit-round-trip"] = await commit_round_trip(tmp / "round-trip.db", count)
     results["cancel_none"] = await cancel_latencies(None, cancels)
     return results
 
@@ -278,7 +322,8 @@ def main() -> None:
         "commit_floor_us_normal": round(r["floor-NORMAL"] * 1e6, 1),
         "commit_floor_us_growing_log": round(r["floor-growing"] * 1e6, 1),
         "thread_round_trip_us": round(r["hop"] * 1e6, 1),
-        "step_floor_us": round((r["floor-FULL"] + r["hop"] + r["none"][0]) * 1e6, 1),
+        "commit_round_trip_us": round(r["commit-round-trip"] * 1e6, 1),
+        "step_floor_us": round((r["commit-round-trip"] + r["none"][0]) * 1e6, 1),
         "cancel_latency_ms_median": round(statistics.median(r["cancel"]) * 1e3, 3),
         "cancel_latency_ms_p99_no_session": round(p99(r["cancel_none"]) * 1e3, 3),
         "cancel_runs": args.cancels,
