@@ -174,16 +174,17 @@ class ModelClient:
         """Whether the server describes ``name`` at ``GET {base}/models/{name}``, OpenAI's route
         for one model, though its catalog does not list it: Anthropic's lists dated ids, 20 to
         a page, and answers there for an alias or a model on a later page, both of which its
-        chat takes. Asked once, not retried: an answer of 429 or 5xx is the server's trouble, not
-        news of the model (a ModelError, as the catalog's would be); any other but a 2xx holding
-        the model's entry (a 404 from a server with no such route, say) leaves it absent."""
+        chat takes. Asked once, not retried: an answer of 429 or 5xx is the server's trouble, and
+        one of 401 or 403 the key's (refused for this model alone: the catalog took it), not news
+        of the model (a ModelError, as the catalog's would be); any other but a 2xx holding the
+        model's entry (a 404 from a server with no such route, say) leaves it absent."""
         url = self.config.url(f"models/{quote(name, safe=':@')}")
         request = self._http.build_request("GET", url, headers=self._headers("application/json"), timeout=self._timeout())
         try:
             response = await self._http.send(request, stream=True)
         except httpx.RequestError as exc:  # the catalog was read a moment ago: the server's trouble is news
             raise failure_to_send(self.config, exc, 1, "the model's entry in the catalog").error from exc
-        if response.status_code == 429 or response.status_code >= 500:
+        if response.status_code in (401, 403, 429) or response.status_code >= 500:
             raise failure_of_status(self.config, response, await self._body_start(response), 1).error
         try:
             if not response.is_success:

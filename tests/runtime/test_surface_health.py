@@ -143,17 +143,20 @@ async def test_healthz_finds_a_model_the_server_answers_for_by_name_though_its_c
     assert asked == ["/v1/models/qwen3:4b-instruct", "/v1/models/claude-opus-4-1", "/v1/models/claude-haiku-9"]
 
 
-@pytest.mark.parametrize("status", [503, 429])
+@pytest.mark.parametrize("status", [503, 429, 401, 403])
 async def test_healthz_says_the_model_server_failed_when_its_answer_for_a_model_by_name_is_a_failure(
     fake_model: FakeModel, tmp_path: Path, status: int
 ) -> None:
     # The catalog does not list the model, and the server fails its answer for it by name: that
-    # is no news that the model is absent (an operator would go looking for a misspelt name).
+    # is no news that the model is absent (an operator would go looking for a misspelt name). A
+    # key refused for the one model (401, 403) is the key's trouble, and said so.
     fake_model.models, fake_model.entry_status = ("another-model",), status
     problems = await model_problems(fake_model, tmp_path, ModelConfig(base_url=fake_model.base_url, max_retries=0))
     [problem] = problems
     assert problem.startswith("model server unavailable: its catalog could not be read to find 'qwen3:4b-instruct': "), problem
     assert "absent" not in problem and "the model service is unavailable" not in problem  # what it said is the log's
+    if status in (401, 403):
+        assert "API key" in problem, problem
     fake_model.entry_status = 404  # a server with no such route: the model is absent
     problems = await model_problems(fake_model, tmp_path, ModelConfig(base_url=fake_model.base_url, max_retries=0))
     assert problems == ["model unavailable: 'qwen3:4b-instruct' is absent from the model server's catalog"]
