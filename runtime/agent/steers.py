@@ -14,7 +14,11 @@ NEXT_LABEL = "The user's next message:\n"
 
 
 def is_steer(message: Message) -> bool:
-    return message.role == "user" and message.text.startswith(STEER_LABEL)
+    """Whether a transcript's message is a steer: a user message with the label, naming no turn.
+    A question the runner stores names the turn it opens (``turn_id``), so one that happens to
+    begin with the label's words is still read as a question; a caller of AgentRun that gives
+    its questions no turn id reads such a question as a steer."""
+    return message.role == "user" and not message.turn_id and message.text.startswith(STEER_LABEL)
 
 
 def labelled_after_steers(messages: list[Message]) -> list[Message]:

@@ -376,3 +376,34 @@ async def test_a_steer_handed_to_a_run_that_ends_in_an_error_is_handed_back(tmp_
     assert run.unapplied_steers == ("also check staging",)
     if ending == "its save failing":  # never sent, so never said to be applied
         assert not log.of(SteerApplied) and all("also check staging" not in m.text for m in run.messages)
+
+
+async def test_a_question_that_opens_with_the_steer_label_is_read_as_a_question(fake_model: FakeModel) -> None:
+    # A question the runner stored names its turn (turn_id); a steer never does. One that happens
+    # to open with the words a steer is labelled with is still the turn's question: the turn's
+    # calls are counted from it, and the question after it is not labelled as following a steer.
+    quoted = STEER_LABEL + "restart the vault"
+    earlier = [
+        Message(role="user", text="Is the vault up?", turn_id="turn-1"),
+        Message(role="assistant", text="It is."),
+    ]
+    resumed = [
+        *earlier,
+        Message(role="user", text=quoted, turn_id="turn-2"),
+        Message(role="assistant", tool_calls=[ToolCall("call_1", "lookup", VAULT)]),
+        Message(role="tool", text="vault: healthy", tool_call_id="call_1", name="lookup"),
+    ]
+    fake_model.script = [Reply(text="Restarted."), Reply(text="Both done.")]
+    with trio.fail_after(DEADLINE_S):
+        async with open_model_client(config_for(fake_model)) as client:
+            # One call of this turn is made; one more is allowed. Counted from the answer of the
+            # turn before, the budget would be spent.
+            result = await AgentRun(client, AgentSpec(tools=[lookup_tool()], max_model_calls=2), resumed).run()
+            assert (result.output, result.model_calls) == ("Restarted.", 2)
+            unanswered = [
+                *earlier,
+                Message(role="user", text=quoted, turn_id="turn-2"),  # its run ended with no answer
+                Message(role="user", text="And the cache?", turn_id="turn-3"),
+            ]
+            await AgentRun(client, AgentSpec(), unanswered).run()
+    assert sent_messages(fake_model.bodies[1])[2] == {"role": "user", "content": f"{quoted}\n\nAnd the cache?"}
