@@ -23,7 +23,9 @@ JSON-RPC ``SendMessage``, header ``A2A-Version: 1.0``, blocking, one new task pe
 Throughput phases take turns (Keel, Keel with its model over HTTP, reference SQLite, reference
 memory; ``--rounds`` times) so
 that whatever else the machine is doing falls on all of them alike; each side's best round is
-reported, every round is listed.
+reported, every round is listed, with what each server cost a request in its best round:
+``cpu_ms_per_request`` (its process's CPU, Keel's model server's included) and
+``disk_kb_per_request`` (what the kernel counted it as writing to disk; Linux, 0 elsewhere).
 
 Then the cancel phase: the same load runs against Keel (in-process model) while ``--cancels`` long tasks are
 cancelled one at a time. Each is sent with ``returnImmediately``, its row watched in tasks.db
@@ -86,6 +88,15 @@ class Child:
             return 0.0
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def disk_bytes(self) -> int:
+        """Bytes it has had written to storage so far: its files' pages, as the kernel sends them
+        to the disk, not its sockets' traffic (Linux /proc ``write_bytes``; 0 elsewhere)."""
+        try:
+            lines = Path(f"/proc/{self.process.pid}/io").read_text().splitlines()
+        except OSError:
+            return 0
+        return next((int(line.split(":")[1]) for line in lines if line.startswith("write_bytes:")), 0)
+
     async def wait_line(self, pattern: str, timeout_s: float = START_TIMEOUT_S) -> re.Match[str]:
         """The first line of the log matching ``pattern``; RuntimeError if the process exits first."""
         regex = re.compile(pattern)
@@ -147,6 +158,9 @@ class Server:
 
     def cpu_s(self) -> float:
         return self.child.cpu_s() + sum(helper.cpu_s() for helper in self.helpers)
+
+    def disk_bytes(self) -> int:
+        return self.child.disk_bytes() + sum(helper.disk_bytes() for helper in self.helpers)
 
 
 async def start_keel(children: Children, state_dir: Path) -> Server:
@@ -220,12 +234,15 @@ async def start_load(children: Children, server: Server, args: argparse.Namespac
 
 async def throughput(children: Children, server: Server, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     run = await start_load(children, server, args, args.seconds, tag)
-    cpu_start = server.cpu_s()
+    cpu_start, disk_start = server.cpu_s(), server.disk_bytes()
     report = await run.finish()
-    used = server.cpu_s() - cpu_start
+    used, written = server.cpu_s() - cpu_start, server.disk_bytes() - disk_start
     # The server's CPU (Keel's includes its model's) over the window and the drain after it,
-    # per request counted: an estimate that errs high.
-    report["cpu_ms_per_request"] = round(1000 * used / max(1, report["requests"]), 2)
+    # per request counted: an estimate that errs high. So are the bytes it wrote to disk (the
+    # kernel writes pages out when it will, so a window also carries some of the one before).
+    requests = max(1, report["requests"])
+    report["cpu_ms_per_request"] = round(1000 * used / requests, 2)
+    report["disk_kb_per_request"] = round(written / 1024 / requests, 1)
     return report
 
 
@@ -384,6 +401,7 @@ def report(
         "rounds": args.rounds,
         "errors": {name: sum(run["errors"] for run in runs) for name, runs in rounds.items()},
         "cpu_ms_per_request": {name: best(runs)["cpu_ms_per_request"] for name, runs in rounds.items()},
+        "disk_kb_per_request": {name: best(runs)["disk_kb_per_request"] for name, runs in rounds.items()},
         "rps_by_round": {name: [run["rps"] for run in runs] for name, runs in rounds.items()},
         "keel_tasks_on_disk": on_disk,
         "protocol": "A2A 1.0 JSON-RPC SendMessage (blocking), header A2A-Version: 1.0, both sides",

@@ -26,6 +26,9 @@ def test_bench_a2a_prints_its_report() -> None:
     assert report["errors"] == {"keel": 0, "keel_http_model": 0, "ref_sqlite": 0, "ref_memory": 0}
     assert report["keel_http_model_rps"] > 0
     assert report["keel_rps"] > 0 and report["ref_sqlite_rps"] > 0 and report["ref_memory_rps"] > 0
+    for figure in ("cpu_ms_per_request", "disk_kb_per_request"):
+        assert set(report[figure]) == {"keel", "keel_http_model", "ref_sqlite", "ref_memory"}, report
+        assert all(value >= 0 for value in report[figure].values()), report
     # A target is judged on the ratio as measured, not as shown: 1.4953 is no 1.5.
     for ratio, reference, target in (("vs_ref_sqlite", "ref_sqlite_rps", 10), ("vs_ref_memory", "ref_memory_rps", 1.5)):
         assert report["targets_met"][ratio] == (report["keel_rps"] >= target * report[reference]), report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -132,14 +133,29 @@ def test_a_forked_child_never_repeats_its_parents_ids() -> None:
     assert len(childs) == len(parents) == 32 and childs != parents
 
 
-def test_new_ids_are_distinct_version_4_uuids() -> None:
+def test_new_ids_are_distinct_version_7_uuids_in_the_order_they_were_made(monkeypatch: pytest.MonkeyPatch) -> None:
     import uuid
 
+    before_ms = time.time_ns() // 1_000_000
     ids = [new_id() for _ in range(1000)]
+    after_ms = time.time_ns() // 1_000_000
     assert len(set(ids)) == 1000
     for text in ids:
         parsed = uuid.UUID(hex=text)
-        assert (parsed.version, parsed.variant, parsed.hex) == (4, uuid.RFC_4122, text)
+        assert (parsed.version, parsed.variant, parsed.hex) == (7, uuid.RFC_4122, text)
+        assert before_ms <= parsed.int >> 80 <= after_ms  # the millisecond it was made in
+    # The random bits differ, on both sides of the version digit.
+    assert len({text[13:16] for text in ids}) > 500 and len({text[16:] for text in ids}) == 1000
+    # Made in a later millisecond, an id sorts after every id made before it: in an index keyed
+    # by ids, a new one goes in at the end.
+    now_ns = [1_796_000_000_000 * 1_000_000]
+    monkeypatch.setattr(time, "time_ns", lambda: now_ns[0])
+    made = []
+    for _ in range(3):
+        made += [new_id() for _ in range(100)]
+        now_ns[0] += 1_000_000
+    assert sorted(made[:100]) + sorted(made[100:200]) + sorted(made[200:]) == sorted(made)
+    assert {int(text[:12], 16) for text in made} == {1_796_000_000_000, 1_796_000_000_001, 1_796_000_000_002}
 
 
 @attrs.define(eq=False)
