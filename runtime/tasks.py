@@ -96,8 +96,8 @@ def new_id() -> str:
     Time-ordered, so the tasks and conversations a server starts go in at the end of every index
     keyed by their ids (tasks.db's by task and by context, runtime.db's sessions and their
     events), rather than each on a page of its own anywhere in it: with version-4 ids a blocking
-    send wrote twice the bytes to disk (46 KB a request against 23, measured under load), and
-    each page so written is synced and checkpointed. The random bits keep ids unguessable and
+    send made twice the bytes of writes (46 KB a request against 23, measured under load), each
+    page of them synced and later checkpointed. The random bits keep ids unguessable and
     distinct however many are made in one millisecond; what an id tells is when it was made.
 
     Drawn from the OS's random source 256 at a time. That system call lets go of the GIL, and
