@@ -384,7 +384,8 @@ def damaged(exc: sqlite3.Error) -> bool:
     return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
 
 
-def _log_of(path: Path) -> Path:
+def log_of(path: Path) -> Path:
+    """The -wal beside the database ``path``."""
     return path.with_name(path.name + "-wal")
 
 
@@ -433,7 +434,7 @@ def write_out_log(path: Path, conn: sqlite3.Connection) -> None:
     except sqlite3.Error:  # another process writing past the busy timeout: its writes go on as before
         return
     try:
-        _write_zeros(_log_of(path), size)
+        _write_zeros(log_of(path), size)
     finally:
         conn.rollback()
 
@@ -465,7 +466,7 @@ def _log_is_other(path: Path, found: SchemaIdentity) -> bool:
     """Whether the database ``path``, read as ``found``, is read so because of a -wal beside it
     that is another's: the file alone (read as immutable, which leaves the -wal out) is not a
     ``found`` database. Blocking."""
-    if not os.path.isfile(_log_of(path)):
+    if not os.path.isfile(log_of(path)):
         return False
     try:
         with closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro&immutable=1", uri=True)) as conn:
@@ -600,7 +601,7 @@ class SqlitePool:
 
     def __attrs_post_init__(self) -> None:
         if not self._watched:
-            self._watched = (_Watch(os.fspath(self.path), False), _Watch(os.fspath(_log_of(self.path)), True))
+            self._watched = (_Watch(os.fspath(self.path), False), _Watch(os.fspath(log_of(self.path)), True))
 
     @classmethod
     async def open(cls, path: Path, schema: Schema, *, synchronous: str = "FULL") -> SqlitePool:
@@ -618,7 +619,7 @@ class SqlitePool:
                 migrate(path, conn, schema)
                 write_out_log(path, conn)
                 watched.append(_Watch.opened_at(path, log=False))
-                watched.append(_Watch.opened_at(_log_of(path), log=True))  # migrate's transaction made the -wal
+                watched.append(_Watch.opened_at(log_of(path), log=True))  # migrate's transaction made the -wal
             except BaseException:
                 conn.close()
                 for watch in watched:

@@ -53,7 +53,7 @@ from instant_model import ARGUMENTS, InstantModel
 
 from persistence.session import Session
 from persistence.sessions import SESSIONS_SCHEMA, open_session_store
-from persistence.sqlite import SqlitePool, connect, migrate, write_out_log
+from persistence.sqlite import SqlitePool, connect, log_of, migrate, write_out_log
 from persistence.transcript import Message, ToolCall
 from runtime.agent import AgentEvent, AgentRun, AgentSpec, StepStarted, TextDelta, Tool
 
@@ -156,18 +156,20 @@ LOG_CHUNK = 100  # saves between two looks at the -wal's header
 MAX_LOG_CHUNKS = 100  # then it is taken as it is: a -wal that is never started over (a reader holds it)
 
 
+LOG_SALTS = slice(16, 24)  # where a -wal's header holds its two salts (sqlite.org/fileformat2.html)
+
+
 def log_salts(log: Path) -> bytes:
-    """The salts in a -wal's header (sqlite.org/fileformat2.html): new each time SQLite starts
-    the -wal over from its start."""
+    """The salts in a -wal's header: new each time SQLite starts the -wal over from its start."""
     with log.open("rb") as file:
-        return file.read(24)[16:]
+        return file.read(LOG_SALTS.stop)[LOG_SALTS]
 
 
 async def wrap_log(store: Any, path: Path) -> bool:
     """Save steps until SQLite has started the -wal beside ``path`` over from its start (a
     checkpoint caught up), as it does in a server that has been running. False if it had not
     after MAX_LOG_CHUNKS chunks."""
-    log = path.with_name(path.name + "-wal")
+    log = log_of(path)
     session = Session.open("wrap-log", store)
     transcript = list(QUESTION)
     salts = await trio.to_thread.run_sync(log_salts, log)
