@@ -634,17 +634,27 @@ class SqlitePool:
         or replaced: a state directory deleted under the server, say). SQLite goes on writing to
         the -wal it has open, which no process reads after this one. Blocking: two readlinks
         (two stats where the platform names no descriptors)."""
+        gone = self._gone()
+        if gone is not None:
+            raise gone
+
+    def _gone(self) -> DatabaseGone | None:
         for watch in self._watched:
             if not watch.there():
-                raise DatabaseGone(self.path, log=watch.log)
+                return DatabaseGone(self.path, log=watch.log)
+        return None
 
     def check_sound(self) -> None:
         """``check_file``, and DatabaseDamaged if a call found the file damaged since it opened:
         the readiness probe's check of the file the server has open; StoreClosed once the pool
-        is closed (the descriptors it checks are closed with it). Blocking, as check_file."""
+        is closed. Blocking, as check_file; callable from any thread."""
+        gone = self._gone()
+        # Asked after the check: a pool closed meanwhile closed the descriptors checked, and their
+        # numbers may since name other files, so what the check found says nothing of this one.
         if self._closed:
             raise StoreClosed(str(self.path))
-        self.check_file()
+        if gone is not None:
+            raise gone
         if self._damaged:
             raise DatabaseDamaged(self.path)  # as logged when a call found it so
 

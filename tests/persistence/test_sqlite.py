@@ -802,6 +802,33 @@ async def test_a_store_checks_its_files_for_each_write_without_asking_for_their_
         assert [row[0] for row in conn.execute("SELECT content FROM events")] == [f'{{"n":{n}}}' for n in (0, 1, 2, 4)]
 
 
+async def test_a_probe_whose_pool_closes_under_it_says_it_closed_not_that_the_files_went(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The readiness probe checks from a worker thread while a shutdown may be closing the stores:
+    # the close releases the descriptors the check reads, and files opened next take their numbers.
+    from persistence.sqlite import _Watch
+
+    pool = await SqlitePool.open(tmp_path / "runtime.db", SESSIONS_SCHEMA)
+    real_there = _Watch.there
+    taken: list[int] = []
+
+    def there(watch: _Watch) -> bool:
+        if not taken:  # the first file checked: the pool closes, and other files take the numbers it freed
+            trio.from_thread.run(pool.aclose)
+            taken.extend(os.open(tmp_path / f"other-{n}", os.O_CREAT | os.O_RDONLY) for n in range(4))
+        return real_there(watch)
+
+    monkeypatch.setattr(_Watch, "there", there)
+    try:
+        with pytest.raises(StoreClosed, match=r"runtime\.db"):
+            await trio.to_thread.run_sync(pool.check_sound)
+    finally:
+        for fd in taken:
+            os.close(fd)
+        await pool.aclose()
+
+
 def log_size_of(path: Path) -> int:
     with closing(sqlite3.connect(path)) as conn:
         return log_size(conn)
